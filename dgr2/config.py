@@ -1,0 +1,230 @@
+"""One typed config tree for every stage, loaded from YAML profiles.
+
+Why one tree: every stage (data prep, SFT, CFT, OPD, RL, eval, serve) reads the same
+object, so a run is fully described by one resolved YAML file that is logged to MLflow
+and hashed for stage caching.  Profiles live in ``dgr2/configs/<name>.yaml``; a profile
+may ``extends:`` another one and only states what differs.  Command-line overrides use
+dotted keys (``sft.num_workers=1``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROFILE_DIR = Path(__file__).parent / "configs"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA_DIR = PROJECT_ROOT.parent / "shared" / "data" / "amazon_beauty"
+
+
+class _Strict(BaseModel):
+    """Base: unknown keys are errors, so a typo in a YAML profile never passes silently."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Strict):
+    """Where the interaction files are and how examples are cut from them."""
+
+    path: Path = DEFAULT_DATA_DIR
+    max_history: int = Field(20, ge=1, le=200)
+    num_candidates: int = Field(10, ge=5, le=50)
+    # "always": the target is put in every candidate list (kept at its retriever rank when
+    # recalled, otherwise at a seeded random position) - the common re-ranking protocol.
+    # "recalled_only": only examples whose retriever list already holds the target are kept.
+    target_insertion: Literal["always", "recalled_only"] = "always"
+    train_targets_per_user: int = Field(1, ge=1, le=50)
+    max_users: int | None = Field(None, ge=1)
+    max_eval_examples: int | None = Field(None, ge=1)
+    seed: int = 0
+
+
+class SidConfig(_Strict):
+    """Semantic IDs: how many keyword levels form an item's code (plus a collision code)."""
+
+    levels: int = Field(3, ge=1, le=7)
+
+
+class TraceConfig(_Strict):
+    """Reasoning-trace teacher and rejection sampling."""
+
+    teacher: Literal["rule", "hf"] = "rule"
+    hf_teacher_path: str | None = None
+    accept_top_k: int = Field(3, ge=1)
+    samples_per_example: int = Field(4, ge=1, le=64)
+    weight_noise: float = Field(0.5, ge=0.0)
+    seed: int = 0
+
+
+class ModelConfig(_Strict):
+    """AR backbone: a tiny transformers model from config, or a local checkpoint by path."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    pretrained_path: str | None = None
+    hidden_size: int = Field(192, ge=16)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(512, ge=16)
+    max_position_embeddings: int = Field(512, ge=64)
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")
+        return self
+
+
+class TrainConfig(_Strict):
+    """One training stage under Ray Train + DeepSpeed ZeRO (shared by SFT, CFT, OPD, RL)."""
+
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    zero_stage: Literal[1, 2, 3] = 2
+    bf16: bool = False
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    micro_batch_size: int = Field(16, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    grad_clip: float = Field(1.0, gt=0)
+    checkpoint_every: int = Field(200, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
+    max_failures: int = Field(2, ge=0)
+    seed: int = 0
+
+
+class EvalConfig(_Strict):
+    """Decoding-based evaluation on the validation and test sets."""
+
+    batch_size: int = Field(64, ge=1)
+    max_new_tokens: int = Field(160, ge=8)
+    splits: list[Literal["valid", "test"]] = ["valid", "test"]
+
+
+class DiffusionConfig(_Strict):
+    """Block-diffusion conversion and decoding settings (paper: block 32, threshold rule)."""
+
+    block_size: int = Field(32, ge=1, le=64)
+    max_steps_per_block: int = Field(8, ge=1)
+    confidence_threshold: float = Field(0.9, gt=0.0, le=1.0)
+    mask_schedule: Literal["uniform", "linear", "cosine"] = "uniform"
+    # Smallest mask ratio a training block can draw (t ~ schedule over [mask_eps, 1]).
+    mask_eps: float = Field(1e-3, gt=0.0, lt=1.0)
+    # "inverse_t": masked CE weighted by 1/t and averaged over supervised tokens (the
+    # masked-diffusion ELBO); "none": plain mean CE over the masked tokens.
+    loss_weighting: Literal["inverse_t", "none"] = "inverse_t"
+
+    @model_validator(mode="after")
+    def _steps_fit_block(self) -> "DiffusionConfig":
+        if self.max_steps_per_block > self.block_size:
+            raise ValueError(
+                f"max_steps_per_block ({self.max_steps_per_block}) > block_size ({self.block_size}): "
+                "a step must commit at least one token"
+            )
+        return self
+
+
+class TrackingConfig(_Strict):
+    """MLflow: local sqlite under the run directory unless a tracking URI is given."""
+
+    tracking_uri: str | None = None  # MLFLOW_TRACKING_URI wins when set
+    experiment: str = "dgr2"
+
+
+class PipelineConfig(_Strict):
+    """Where runs live and which stages the flow runs."""
+
+    runs_dir: Path = PROJECT_ROOT / "runs"
+    stages: list[str] = ["data", "sft", "eval"]
+
+
+class Config(_Strict):
+    """The whole resolved configuration of a pipeline run."""
+
+    profile: str = "default"
+    data: DataConfig = DataConfig()
+    sid: SidConfig = SidConfig()
+    traces: TraceConfig = TraceConfig()
+    model: ModelConfig = ModelConfig()
+    sft: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    diffusion: DiffusionConfig = DiffusionConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of the named sections: the cache key of a stage's inputs."""
+        payload = {name: getattr(self, name).model_dump(mode="json") for name in sections}
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_profile(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    if path in seen:
+        raise ValueError(f"config profile cycle: {' -> '.join(map(str, seen + (path,)))}")
+    if not path.is_file():
+        known = sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"config profile {path} not found (known profiles: {known})")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config profile {path} must be a mapping, got {type(raw).__name__}")
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    return _deep_merge(_read_profile(_profile_path(parent, path.parent), seen + (path,)), raw)
+
+
+def _profile_path(name_or_path: str | Path, relative_to: Path = PROFILE_DIR) -> Path:
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml"):
+        return candidate if candidate.is_absolute() or candidate.exists() else relative_to / candidate
+    return PROFILE_DIR / f"{name_or_path}.yaml"
+
+
+def _apply_override(tree: dict[str, Any], dotted: str) -> None:
+    if "=" not in dotted:
+        raise ValueError(f"override {dotted!r} must look like section.key=value")
+    key, text = dotted.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(text)
+
+
+def load_config(profile: str | Path = "default", overrides: list[str] | None = None) -> Config:
+    """Load a profile by name (``tiny``) or path (``my.yaml``) and apply dotted overrides."""
+    path = _profile_path(profile)
+    tree = _read_profile(path)
+    tree.setdefault("profile", path.stem)
+    for item in overrides or []:
+        _apply_override(tree, item)
+    return Config.model_validate(tree)

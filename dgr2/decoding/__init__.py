@@ -1,0 +1,1 @@
+"""dgr2 /decoding"""

@@ -1,0 +1,56 @@
+"""The per-step commit rule of block-diffusion decoding, shared by every decoder variant.
+
+Paper rule: at each step commit every masked position whose confidence (max softmax
+probability) is at least ``threshold``, and at least the single most confident one.  We add
+one floor so a block always finishes within its step budget: with ``r`` masked positions and
+``s`` steps left, at least ``ceil(r / s)`` are committed (the most confident ones).  With
+``threshold = 1.0`` and ``steps = block size`` this is one token per step; a lower threshold
+commits more in parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+
+import torch
+
+
+def commit_step(
+    logits: torch.Tensor, masked: torch.Tensor, threshold: float, steps_left: int, mask_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(commit, tokens)`` for a ``(rows, L, vocab)`` step: which masked slots to fill, with what.
+
+    The ``[MASK]`` id itself is never a candidate, so no output can contain it.
+    """
+    if steps_left < 1:
+        raise ValueError(f"steps_left must be >= 1, got {steps_left}")
+    logits = logits.float().clone()
+    logits[..., mask_id] = float("-inf")
+    probs = logits.softmax(-1)
+    confidence, tokens = probs.max(-1)
+    confidence = confidence.masked_fill(~masked, float("-inf"))
+    remaining = masked.sum(-1, keepdim=True)
+    floor = torch.where(remaining > 0, (remaining + steps_left - 1) // steps_left, remaining)
+    order = torch.sort(confidence, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    commit = masked & ((confidence >= threshold) | (rank < floor))
+    return commit, tokens
+
+
+class BlockState(Enum):
+    OPEN = "open"  # masked slots remain before any stop
+    COMPLETE = "complete"  # every slot committed, no stop token
+    STOPPED = "stopped"  # a stop token is committed and every slot before it too
+
+
+def block_state(tokens: Sequence[int], masked: Sequence[bool], stops: frozenset[int]) -> BlockState:
+    """Read one row's block left to right: a committed stop with a committed prefix ends the
+    sequence early (whatever follows it would be discarded anyway)."""
+    for token, is_masked in zip(tokens, masked):
+        if is_masked:
+            return BlockState.OPEN
+        if token in stops:
+            return BlockState.STOPPED
+    return BlockState.COMPLETE

@@ -1,0 +1,98 @@
+"""The one place that defines the text grammar of prompts, traces and answers.
+
+Every token is written space-separated, so the word-level tokenizer maps each one to one id
+and the grammar is exact at the token level (parsers and masks can reason about positions).
+
+Prompt (model input)::
+
+    <s> <history> <a_12> <b_7> <c_3> <z_0> <a_..> ... </history>
+        <candidates> c1 <a_..> <b_..> <c_..> <z_..> pop 3 c2 ... </candidates> <rank>
+
+Completion (what the model writes, loss is on it only)::
+
+    <think> ...trace words... </think> <answer> c3 c1 c7 ... </answer> </s>
+
+Candidates are referred to by position labels ``c1..cK`` (1-based in text, 0-based in code).
+``pop D`` is the item's train-split popularity bucket (0-9), metadata a production retriever
+hands to a re-ranker; it carries nothing about the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+BOS = "<s>"
+EOS = "</s>"
+PAD = "<pad>"
+UNK = "<unk>"
+MASK = "<mask>"
+HISTORY_OPEN, HISTORY_CLOSE = "<history>", "</history>"
+CANDIDATES_OPEN, CANDIDATES_CLOSE = "<candidates>", "</candidates>"
+RANK = "<rank>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+POP = "pop"
+
+SPECIAL_TOKENS = [PAD, UNK, BOS, EOS, MASK]
+STRUCTURE_TOKENS = [
+    HISTORY_OPEN, HISTORY_CLOSE, CANDIDATES_OPEN, CANDIDATES_CLOSE, RANK,
+    THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE,
+]
+DIGITS = [str(d) for d in range(10)]
+MAX_CANDIDATES = 50
+LABELS = [f"c{i + 1}" for i in range(MAX_CANDIDATES)]
+# Words the trace grammar may use besides SID tokens, labels and digits (teachers must
+# stay inside this list; the tokenizer is built from it).
+TRACE_WORDS = [POP, "recent", "topic", "a", "b", "c", "score", ";", "none", "crowd"]
+
+
+def candidate_label(index: int) -> str:
+    """0-based candidate index -> its text label (``0 -> 'c1'``)."""
+    if not 0 <= index < MAX_CANDIDATES:
+        raise ValueError(f"candidate index {index} outside 0..{MAX_CANDIDATES - 1}")
+    return LABELS[index]
+
+
+def label_index(token: str) -> int | None:
+    """Text label -> 0-based index, or None when the token is not a candidate label."""
+    if len(token) >= 2 and token[0] == "c" and token[1:].isdigit():
+        value = int(token[1:]) - 1
+        if 0 <= value < MAX_CANDIDATES and token == LABELS[value]:
+            return value
+    return None
+
+
+def build_prompt(
+    history_sids: Sequence[Sequence[str]],
+    candidate_sids: Sequence[Sequence[str]],
+    candidate_pop_buckets: Sequence[int],
+) -> str:
+    """The model input for one request (ends with ``<rank>``; the completion follows)."""
+    if not candidate_sids:
+        raise ValueError("a prompt needs at least one candidate")
+    if len(candidate_sids) > MAX_CANDIDATES:
+        raise ValueError(f"{len(candidate_sids)} candidates > MAX_CANDIDATES={MAX_CANDIDATES}")
+    if len(candidate_pop_buckets) != len(candidate_sids):
+        raise ValueError("one popularity bucket per candidate is required")
+    parts = [BOS, HISTORY_OPEN]
+    for sid in history_sids:
+        parts.extend(sid)
+    parts += [HISTORY_CLOSE, CANDIDATES_OPEN]
+    for index, (sid, bucket) in enumerate(zip(candidate_sids, candidate_pop_buckets)):
+        if not 0 <= bucket <= 9:
+            raise ValueError(f"popularity bucket {bucket} outside 0..9")
+        parts.append(candidate_label(index))
+        parts.extend(sid)
+        parts += [POP, str(bucket)]
+    parts += [CANDIDATES_CLOSE, RANK]
+    return " ".join(parts)
+
+
+def build_answer(ranking: Sequence[int]) -> str:
+    """``[2, 0, 6]`` -> ``'<answer> c3 c1 c7 </answer>'``."""
+    return " ".join([ANSWER_OPEN, *(candidate_label(i) for i in ranking), ANSWER_CLOSE])
+
+
+def build_completion(think_tokens: Sequence[str], ranking: Sequence[int]) -> str:
+    """Trace plus answer plus end of sequence: the supervised target of SFT/CFT."""
+    return " ".join([THINK_OPEN, *think_tokens, THINK_CLOSE, build_answer(ranking), EOS])

@@ -1,0 +1,182 @@
+"""A rule teacher fitted on the train split: readable evidence, a linear score, a ranking.
+
+Why this shape: the AR re-ranker is trained to imitate this teacher, so every step of its
+trace must be learnable from the prompt.  The trace states what the history shows, then
+for each candidate the evidence the score uses and a 0-9 score digit; the answer is exactly
+the candidates sorted by that digit (descending, ties by retriever position).  So the last
+step (trace -> answer) is a deterministic sort the model can learn exactly.
+
+Trace grammar (one line per candidate, ``;``-separated)::
+
+    recent <a_3> <b_17> ; topic <a_3> 5 <a_9> 2 ;
+    c1 a 2 b 1 crowd 3 pop 3 score 7 ; c2 a 0 b 0 crowd 0 pop 8 score 4 ; ...
+
+``a``/``b``: history items sharing the candidate's level-a / level-a+b codes; ``crowd``:
+other candidates sharing its level-a code; ``pop``: popularity bucket (see
+:mod:`dgr2.traces.evidence`).  The score digit is the decile of the candidate's linear
+score among all train candidates: a fixed, per-candidate scale, so a candidate's digit does
+not depend on which other candidates happen to be in the list.
+
+Weights come from listwise logistic regression on train examples (the target's softmax
+probability among its candidates).  ``propose`` adds Gaussian noise to the (standardised)
+weights, giving diverse but self-consistent traces for rejection sampling.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dgr2.eval.examples import example_target
+from dgr2.tokenizer.catalog import ItemCatalog
+from dgr2.traces import format as fmt
+from dgr2.traces.evidence import FEATURE_NAMES, RequestEvidence, feature_matrix, gather_evidence
+from dgr2.traces.listwise import ListwiseModel, fit_listwise
+from dgr2.traces.teacher import RerankRequest, Trace
+
+NUM_SCORE_BUCKETS = 10
+
+
+def render_trace(evidence: RequestEvidence, score_buckets: np.ndarray) -> list[str]:
+    """The trace words for this evidence and these per-candidate score digits."""
+    words: list[str] = ["recent"]
+    words += list(evidence.recent) if evidence.recent is not None else ["none"]
+    words += [";", "topic"]
+    if evidence.topics:
+        for token, count in evidence.topics:
+            words += [token, str(count)]
+    else:
+        words.append("none")
+    for ev, bucket in zip(evidence.candidates, score_buckets):
+        words += [";", fmt.candidate_label(ev.position), "a", str(ev.hist_a), "b", str(ev.hist_ab)]
+        words += ["crowd", str(ev.crowd), fmt.POP, str(ev.pop), "score", str(int(bucket))]
+    return words
+
+
+def ranking_from_buckets(score_buckets: np.ndarray) -> list[int]:
+    """Candidates by displayed score digit, descending; equal digits keep retriever order."""
+    return sorted(range(len(score_buckets)), key=lambda i: (-int(score_buckets[i]), i))
+
+
+class RuleTeacher:
+    """Listwise-fitted linear teacher over prompt-only evidence."""
+
+    name = "rule"
+
+    def __init__(
+        self,
+        catalog: ItemCatalog,
+        model: ListwiseModel,
+        score_edges: np.ndarray,
+        weight_noise: float = 0.5,
+        fit_report: dict[str, Any] | None = None,
+    ):
+        edges = np.asarray(score_edges, dtype=np.float64)
+        if edges.shape != (NUM_SCORE_BUCKETS - 1,) or np.any(np.diff(edges) < 0):
+            raise ValueError(f"score_edges must be {NUM_SCORE_BUCKETS - 1} non-decreasing values, got {edges}")
+        if model.weights.shape != (len(FEATURE_NAMES),):
+            raise ValueError(f"model has {model.weights.shape} weights, features are {len(FEATURE_NAMES)}")
+        if weight_noise < 0:
+            raise ValueError(f"weight_noise must be >= 0, got {weight_noise}")
+        self.catalog = catalog
+        self.model = model
+        self.score_edges = edges
+        self.weight_noise = float(weight_noise)
+        self.fit_report = dict(fit_report or {})
+
+    # ------------------------------------------------------------------ fitting
+    @classmethod
+    def fit(
+        cls,
+        catalog: ItemCatalog,
+        train_examples: Iterable[Mapping[str, Any]],
+        weight_noise: float = 0.5,
+        l2: float = 1e-3,
+    ) -> "RuleTeacher":
+        """Fit weights on train examples (``history``, ``candidates``, ``target_index``).
+
+        Examples whose target is not among the candidates (``target_index == -1``) carry no
+        listwise signal and are skipped (counted in ``fit_report``).
+        """
+        matrices: list[np.ndarray] = []
+        targets: list[int] = []
+        skipped = 0
+        for position, example in enumerate(train_examples):
+            target = example_target(example, position)
+            if target < 0:
+                skipped += 1
+                continue
+            request = RerankRequest.from_example(example)
+            matrices.append(feature_matrix(gather_evidence(catalog, request.history, request.candidates)))
+            targets.append(target)
+        if not matrices:
+            raise ValueError("no train example has its target among the candidates: nothing to fit")
+        model, report = fit_listwise(matrices, targets, l2=l2)
+        train_scores = np.concatenate([model.scores(m) for m in matrices])
+        edges = np.quantile(train_scores, np.arange(1, NUM_SCORE_BUCKETS) / NUM_SCORE_BUCKETS)
+        report.update(
+            skipped_no_target=float(skipped),
+            weights={name: round(float(w), 4) for name, w in zip(FEATURE_NAMES, model.weights)},
+        )
+        return cls(catalog, model, edges, weight_noise=weight_noise, fit_report=report)
+
+    # ------------------------------------------------------------------ ranking
+    def evidence(self, request: RerankRequest) -> RequestEvidence:
+        return gather_evidence(self.catalog, request.history, request.candidates)
+
+    def score_buckets(self, evidence: RequestEvidence, weights: np.ndarray | None = None) -> np.ndarray:
+        """Score digit 0-9 per candidate: which train-score decile its linear score falls in."""
+        scores = self.model.scores(feature_matrix(evidence), weights)
+        return np.searchsorted(self.score_edges, scores, side="right")
+
+    def _trace(self, evidence: RequestEvidence, weights: np.ndarray | None) -> Trace:
+        buckets = self.score_buckets(evidence, weights)
+        return Trace(think_tokens=render_trace(evidence, buckets), ranking=ranking_from_buckets(buckets))
+
+    def rank(self, request: RerankRequest) -> Trace:
+        """The noise-free trace and ranking."""
+        return self._trace(self.evidence(request), None)
+
+    def propose(self, request: RerankRequest, num_samples: int, rng: np.random.Generator) -> list[Trace]:
+        """``num_samples`` traces, each scored with its own noisy copy of the weights."""
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        evidence = self.evidence(request)
+        dim = self.model.weights.shape[0]
+        return [
+            self._trace(evidence, self.model.weights + self.weight_noise * rng.standard_normal(dim))
+            for _ in range(num_samples)
+        ]
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "features": list(FEATURE_NAMES),
+            "weights": self.model.weights.tolist(),
+            "mean": self.model.mean.tolist(),
+            "scale": self.model.scale.tolist(),
+            "score_edges": self.score_edges.tolist(),
+            "weight_noise": self.weight_noise,
+            "fit_report": self.fit_report,
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Weights as JSON (the catalog is saved separately with ``ItemCatalog.save``)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, catalog: ItemCatalog) -> "RuleTeacher":
+        payload = json.loads(Path(path).read_text())
+        if payload.get("features") != list(FEATURE_NAMES):
+            raise ValueError(f"{path}: saved features {payload.get('features')} differ from {list(FEATURE_NAMES)}")
+        model = ListwiseModel(
+            weights=np.array(payload["weights"]), mean=np.array(payload["mean"]), scale=np.array(payload["scale"])
+        )
+        return cls(catalog, model, np.array(payload["score_edges"]), payload["weight_noise"], payload.get("fit_report"))

@@ -1,0 +1,107 @@
+"""MLflow helpers: one parent run per pipeline run, a nested run per stage.
+
+Default store: ``sqlite:///<runs_dir>/mlflow.db`` (MLflow 3 refuses a plain file store unless
+forced), so ``mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`` browses every run; any
+server is used instead when ``MLFLOW_TRACKING_URI`` (or ``tracking.tracking_uri``) is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dgr2.config import Config
+
+# MLflow param values are capped (6000 chars in recent versions); keep well under.
+_MAX_PARAM_LEN = 500
+
+
+def tracking_uri(cfg: Config) -> str:
+    """Resolve the tracking URI: environment, then config, then sqlite under runs_dir."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    runs_dir = Path(cfg.pipeline.runs_dir).resolve()
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{runs_dir / 'mlflow.db'}"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config dict -> dotted MLflow params (values stringified and length-capped)."""
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            text = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
+            flat[name] = text[:_MAX_PARAM_LEN]
+    return flat
+
+
+def setup(cfg: Config) -> str:
+    import mlflow
+
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(cfg.tracking.experiment)
+    return uri
+
+
+@contextlib.contextmanager
+def stage_run(
+    stage: str, *, parent_run_id: str | None, tags: dict[str, str] | None = None,
+    params: dict[str, Any] | None = None, run_name: str | None = None,
+) -> Iterator[Any]:
+    """A nested MLflow run for one stage (the caller logs metrics/artifacts inside)."""
+    import mlflow
+
+    all_tags = {"dgr2.stage": stage, "git_commit": git_commit(), **(tags or {})}
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    with mlflow.start_run(run_name=run_name or stage, nested=parent_run_id is not None, tags=all_tags) as run:
+        if params:
+            mlflow.log_params(flatten(params))
+        yield run
+
+
+def log_metrics(metrics: dict[str, Any], prefix: str = "", step: int | None = None) -> None:
+    """Log the numeric entries of a (possibly nested) metrics dict."""
+    import mlflow
+
+    numeric: dict[str, float] = {}
+    for key, value in flatten_numeric(metrics, prefix).items():
+        numeric[key.replace("@", "_at_")] = value
+    if numeric:
+        mlflow.log_metrics(numeric, step=step)
+
+
+def flatten_numeric(tree: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_numeric(value, f"{name}/"))
+        elif isinstance(value, bool):
+            out[name] = float(value)
+        elif isinstance(value, (int, float)):
+            out[name] = float(value)
+    return out

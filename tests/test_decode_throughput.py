@@ -1,0 +1,41 @@
+"""The throughput benchmark runs end to end on a tiny grid and writes honest, complete rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_throughput.py"
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("decode_throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_writes_json_and_plot(tmp_path):
+    bench = load_benchmark()
+    rows = bench.main([
+        "--profile", "tiny", "--vocab-size", "64", "--lengths", "8", "16", "--batch-sizes", "1", "2",
+        "--prompt-len", "6", "--block-size", "4", "--steps", "2", "--repeats", "1", "--out-dir", str(tmp_path),
+        "--tag", "t",
+    ])
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert report["random_init"] and len(report["rows"]) == 4 == len(rows)
+    for row in report["rows"]:
+        assert row["ratio"] == pytest.approx(row["diffusion_tokens_per_s"] / row["ar_tokens_per_s"])
+        assert row["ar_forward_passes_per_sequence"] == row["length"]  # one pass per AR token
+        # random init never reaches tau=0.9: the floor commits block/steps = 2 tokens per pass
+        assert row["diffusion_forward_passes_per_sequence"] == row["length"] / 2
+        assert row["diffusion_tokens_per_forward"] == pytest.approx(2.0)
+
+
+def test_benchmark_refuses_steps_above_block_size():
+    with pytest.raises(SystemExit):
+        load_benchmark().parse_args(["--block-size", "4", "--steps", "8"])

@@ -1,0 +1,102 @@
+"""Block-diffusion decoding: the KV-cached decoder against the recompute-everything reference,
+the AR limit (block size 1), step accounting, no [MASK] in outputs, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dgr2.config import ModelConfig
+from dgr2.decoding.ar import ar_generate
+from dgr2.decoding.block_diffusion import diffusion_generate
+from dgr2.decoding.block_diffusion_reference import diffusion_generate_uncached
+from dgr2.models.ar import build_ar_model
+from dgr2.models.block_diffusion import BlockDiffusionLM
+
+VOCAB, PAD, BOS, EOS, MASK = 40, 0, 2, 3, 4
+PROMPTS = [[BOS, 5, 6, 7], [BOS, 9], [BOS, 11, 12, 13, 14, 15, 16, 17, 18], [BOS, 20, 21], [BOS, 30, 31, 32, 33]]
+
+
+def tiny_ar(arch: str = "qwen2", seed: int = 5):
+    cfg = ModelConfig(arch=arch, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      max_position_embeddings=128, seed=seed, tie_word_embeddings=False)
+    model = build_ar_model(cfg, VOCAB, PAD, BOS, EOS).eval()
+    with torch.no_grad():  # a sharp untied head: confidences spread around the threshold, as trained ones do
+        model.lm_head.weight.mul_(30.0)
+    return model
+
+
+def run(fn, model, **overrides):
+    kwargs = dict(block_size=4, max_steps_per_block=2, threshold=0.5, max_new_tokens=10, mask_id=MASK,
+                  eos_id=None, pad_id=PAD, batch_size=3)
+    kwargs.update(overrides)
+    return fn(model, PROMPTS, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("threshold", [0.5, 1.0])
+def test_cached_decoder_equals_uncached_reference(arch, threshold):
+    model = tiny_ar(arch)
+    cached = run(diffusion_generate, model, threshold=threshold)
+    reference = run(diffusion_generate_uncached, model, threshold=threshold)
+    assert cached.sequences == reference.sequences
+    assert cached.forward_passes == reference.forward_passes
+    assert cached.steps_per_block == reference.steps_per_block
+    assert all(len(s) == 10 for s in cached.sequences)  # 4 + 4 + a short last block of 2
+    if threshold == 1.0:  # nothing is that confident: exactly the ceil(remaining/steps) floor
+        assert cached.steps_per_block == [2, 2, 2] * 5
+        assert cached.forward_passes == 2 * 6  # two batches, 3 blocks x 2 steps each
+    else:
+        assert min(cached.steps_per_block) == 1  # the threshold committed a whole block at once somewhere
+
+
+def test_cached_equals_reference_with_stops_and_row_dropping():
+    model = tiny_ar()
+    free = run(diffusion_generate_uncached, model, max_new_tokens=16)
+    stop = free.sequences[2][5]  # a token some row commits: forces early stops mid-block
+    cached = run(diffusion_generate, model, max_new_tokens=16, eos_id=EOS, stop_ids=(stop,))
+    reference = run(diffusion_generate_uncached, model, max_new_tokens=16, eos_id=EOS, stop_ids=(stop,))
+    assert cached.sequences == reference.sequences
+    assert cached.sequence_forward_passes == reference.sequence_forward_passes
+    assert any(len(s) < 16 for s in cached.sequences)
+    for seq in cached.sequences:
+        hits = [i for i, t in enumerate(seq) if t in (stop, EOS)]
+        assert hits in ([], [len(seq) - 1])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_block_size_one_equals_ar_greedy(arch):
+    model = tiny_ar(arch)
+    with torch.no_grad():  # like a trained AR model, never prefer [MASK] (the diffusion decoder excludes it)
+        model.lm_head.weight[MASK].zero_()
+    ar = ar_generate(model, PROMPTS, max_new_tokens=12, eos_id=EOS, pad_id=PAD, stop_ids=(7,), batch_size=3)
+    diff = diffusion_generate(BlockDiffusionLM(model, mask_id=MASK, block_size=1), PROMPTS, block_size=1,
+                              max_steps_per_block=1, threshold=1.0, max_new_tokens=12, mask_id=MASK,
+                              eos_id=EOS, pad_id=PAD, stop_ids=(7,), batch_size=3)
+    assert diff.sequences == ar.sequences
+    assert diff.sequence_forward_passes == ar.sequence_forward_passes
+    assert diff.tokens_per_forward == pytest.approx(1.0)
+
+
+def test_mask_token_never_appears_in_outputs():
+    model = tiny_ar()
+    with torch.no_grad():  # make [MASK] the model's favourite prediction everywhere
+        model.lm_head.weight[MASK].mul_(100.0)
+    assert MASK in sum(ar_generate(model, PROMPTS, max_new_tokens=6, eos_id=None, pad_id=PAD).sequences, [])
+    out = run(diffusion_generate, model, max_new_tokens=12, threshold=0.3)
+    assert all(MASK not in seq for seq in out.sequences)
+    assert all(len(seq) == 12 for seq in out.sequences)
+
+
+def test_bad_decoding_settings_are_refused():
+    model = tiny_ar().train()
+    with pytest.raises(ValueError, match="max_steps_per_block must be in 1..block_size"):
+        run(diffusion_generate, model, block_size=4, max_steps_per_block=5)
+    with pytest.raises(ValueError, match="block_size must be an int"):
+        run(diffusion_generate, model, block_size=0, max_steps_per_block=1)
+    with pytest.raises(ValueError, match="threshold must be in"):
+        run(diffusion_generate, model, threshold=0.0)
+    with pytest.raises(ValueError, match="cannot also be a stop token"):
+        run(diffusion_generate, model, eos_id=MASK)
+    run(diffusion_generate, model, max_new_tokens=4)
+    assert model.training  # decoding borrowed the model and gave it back in train mode
