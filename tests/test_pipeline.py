@@ -1,0 +1,49 @@
+"""The tiny profile end to end through the real flow: stages build, then a rerun skips them all."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dgr2.config import load_config
+from dgr2.pipeline import STAGE_ORDER
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beauty_dir, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = importlib.util.spec_from_file_location("full_pipeline", Path(__file__).parent.parent / "flows" / "full_pipeline.py")
+    flow = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flow)
+    args = ["--config", "tiny", "--set", f"pipeline.runs_dir={tmp_path}"]
+
+    first = flow.main(args + ["--run-name", "first"])
+    assert list(first) == STAGE_ORDER
+    assert not any(out.cached for out in first.values())
+    table = json.loads(first["eval"].file("test_json").read_text())
+    rows = table["rows"] if "rows" in table else table
+    assert {"retriever", "popularity", "random", "ar_sft"} <= set(rows)
+    for name in ("valid_rate", "duplicate_rate", "missing_rate", "out_of_set_rate"):
+        assert 0.0 <= rows["ar_sft"][name] <= 1.0
+    assert (first["sft"].file("model") / "model.safetensors").is_file()
+    assert first["eval"].file("test_png").stat().st_size > 1000
+
+    second = flow.main(args + ["--run-name", "second"])
+    assert all(out.cached for out in second.values())
+    assert {n: o.path for n, o in second.items()} == {n: o.path for n, o in first.items()}
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=[load_config("tiny").tracking.experiment], output_format="list")
+    stage_runs = [r for r in runs if "dgr2.stage" in r.data.tags]
+    assert len(stage_runs) == 2 * len(STAGE_ORDER)
+    cached = [r.data.tags["dgr2.cached"] for r in stage_runs if r.data.tags.get("mlflow.parentRunId")]
+    assert cached.count("True") == len(STAGE_ORDER)
+    sft_runs = [r for r in stage_runs if r.data.tags["dgr2.stage"] == "sft" and r.data.tags["dgr2.cached"] == "False"]
+    history = mlflow.tracking.MlflowClient().get_metric_history(sft_runs[0].info.run_id, "train/loss")
+    assert len(history) >= 2  # per-step loss logged from the rank-0 worker
