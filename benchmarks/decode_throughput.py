@@ -67,8 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    p.add_argument("--tag", default="decode_throughput", help="output file stem")
+    p.add_argument("--tag", default=None, help="output file stem (default decode_throughput_<cpu|gpu>)")
     args = p.parse_args(argv)
+    if args.tag is None:
+        args.tag = f"decode_throughput_{'gpu' if str(args.device).startswith('cuda') else 'cpu'}"
     validate_block_size(args.block_size)
     if not 1 <= args.steps <= args.block_size:
         p.error(f"--steps must be in 1..--block-size ({args.block_size}), got {args.steps}")
@@ -177,7 +179,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax_tps.set(xscale="log", yscale="log", xlabel="output tokens", ylabel="tokens / s", title="throughput")
     ax_ratio.axhline(1.0, color="grey", lw=0.8)
     ax_ratio.set(xscale="log", xlabel="output tokens", ylabel="diffusion / AR tokens per s", title="speed-up")
+    lengths = sorted({r["length"] for r in rows})
     for ax in (ax_tps, ax_ratio):
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3, which="both")
     fig.suptitle(title, fontsize=9)
@@ -221,7 +226,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     }
     json_path, png_path = args.out_dir / f"{args.tag}.json", args.out_dir / f"{args.tag}.png"
     json_path.write_text(json.dumps(report, indent=2))
-    title = f"{description} | {args.device} {args.dtype} | block {args.block_size}, steps {args.steps}, tau {args.threshold}"
+    title = (
+        f"{description} | {args.device} {args.dtype}, {torch.get_num_threads()} thread(s) | block {args.block_size}, "
+        f"steps {args.steps}, tau {args.threshold} | {args.statistic} of {args.repeats}"
+    )
     plot(rows, png_path, title)
     print_table(rows)
     print(f"wrote {json_path} and {png_path}")
