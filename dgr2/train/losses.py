@@ -41,10 +41,10 @@ def sft_loss(model, batch: dict[str, torch.Tensor], extra: dict[str, Any]):
     are prompt.
     """
     module = getattr(model, "module", model)  # DeepSpeed engine -> the HF model
-    hidden = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    hidden = module.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE_INDEX
-    logits = module.lm_head(hidden[:, :-1][keep]).float()
+    logits = module.get_output_embeddings()(hidden[:, :-1][keep]).float()
     loss = torch.nn.functional.cross_entropy(logits, labels[keep])
     stats = {"tokens": float(batch["attention_mask"].sum()), "target_tokens": float(keep.sum())}
     return loss, stats
