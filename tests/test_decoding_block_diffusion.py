@@ -100,3 +100,25 @@ def test_bad_decoding_settings_are_refused():
         run(diffusion_generate, model, eos_id=MASK)
     run(diffusion_generate, model, max_new_tokens=4)
     assert model.training  # decoding borrowed the model and gave it back in train mode
+
+
+def test_sampled_decoding_is_seeded_and_records_its_trajectory():
+    """Rollouts sample (temperature > 0): same seed, same trajectory in the cached and the
+    reference decoder; every kept token records the step that committed it and its log-prob."""
+    model = tiny_ar()
+    kwargs = dict(max_new_tokens=12, temperature=1.0, seed=7, max_steps_per_block=3)
+    a = run(diffusion_generate, model, **kwargs)
+    b = run(diffusion_generate_uncached, model, **kwargs)
+    c = run(diffusion_generate, model, **{**kwargs, "seed": 8})
+    assert a.sequences == b.sequences and a.unmask_steps == b.unmask_steps
+    assert a.sequences != c.sequences  # the seed matters: sampling, not argmax
+    greedy = run(diffusion_generate, model, max_new_tokens=12, max_steps_per_block=3)
+    assert greedy.sequences != a.sequences
+    for seq, steps, logps in zip(a.sequences, a.unmask_steps, a.token_logprobs):
+        assert len(seq) == len(steps) == len(logps) == 12
+        assert all(0 <= s < 3 for s in steps) and all(lp <= 0.0 for lp in logps)
+        for block in range(0, 12, 4):  # each step of a block commits at least one token
+            block_steps = steps[block : block + 4]
+            assert set(block_steps) == set(range(max(block_steps) + 1))
+    with pytest.raises(ValueError, match="temperature"):
+        run(diffusion_generate, model, temperature=-1.0)

@@ -105,7 +105,7 @@ def test_completion_follows_the_grammar(world, teacher) -> None:
         assert parsed.think.split() == trace.think_tokens
         ids = tokenizer(catalog.prompt(request.history, request.candidates) + " " + trace.completion())["input_ids"]
         assert tokenizer.unk_token_id not in ids  # every trace word is in the vocabulary
-        assert 60 <= len(trace.think_tokens) <= 140
+        assert 100 <= len(trace.think_tokens) <= 200  # ~130 tokens of evidence + ~45 of sort (10 candidates)
 
 
 def test_trace_states_recent_item_and_topics(world, teacher) -> None:
@@ -368,3 +368,19 @@ def test_hf_teacher_converts_parser_valid_completions(world, tiny_lm_dir, monkey
     assert traces == [Trace(["recent", "<a_0>", "score", "7"], [3, 0, 1, 2, 4, 5, 6, 7, 8, 9])]
     with pytest.raises(FileNotFoundError):
         HFTeacher(tiny_lm_dir / "nothing", catalog)
+
+
+def test_trace_writes_the_sort_out_before_the_answer(world, teacher) -> None:
+    """``scores`` restates each line's digit and ``order`` lists labels by digit 9..0, so the
+    answer is a copy of ``order``'s labels (the sort is spelled out, not left implicit)."""
+    catalog, examples = world
+    for example in examples[:40]:
+        trace = teacher.rank(RerankRequest.from_example(example))
+        think = trace.think_tokens
+        shown = _displayed_scores(think)
+        s, o = think.index("scores"), think.index("order")
+        pairs = think[s + 1 : o - 1]
+        assert {fmt.label_index(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)} == shown
+        listing = think[o + 1 :]
+        assert [w for w in listing if w.isdigit()] == [str(d) for d in range(9, -1, -1)]
+        assert [fmt.label_index(w) for w in listing if not w.isdigit()] == trace.ranking

@@ -106,6 +106,8 @@ def diffusion_generate(
     pad_id: int,
     stop_ids: Iterable[int] = (),
     batch_size: int = 32,
+    temperature: float = 0.0,
+    seed: int | None = None,
 ) -> DecodeOutput:
     """Block-diffusion continuations (new tokens only, cut after the first stop, inclusive).
 
@@ -115,4 +117,5 @@ def diffusion_generate(
         model, prompt_ids, CachedBlockPredictor, block_size=block_size, max_steps_per_block=max_steps_per_block,
         threshold=threshold, max_new_tokens=max_new_tokens, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id,
         stop_ids=stop_ids, batch_size=batch_size,
+        temperature=temperature, seed=seed,
     )

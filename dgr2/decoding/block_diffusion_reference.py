@@ -72,10 +72,13 @@ def diffusion_generate_uncached(
     pad_id: int,
     stop_ids: Iterable[int] = (),
     batch_size: int = 32,
+    temperature: float = 0.0,
+    seed: int | None = None,
 ) -> DecodeOutput:
     """Same contract and decisions as ``diffusion_generate``, computed without a cache."""
     return decode_blocks(
         model, prompt_ids, UncachedBlockPredictor, block_size=block_size, max_steps_per_block=max_steps_per_block,
         threshold=threshold, max_new_tokens=max_new_tokens, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id,
         stop_ids=stop_ids, batch_size=batch_size,
+        temperature=temperature, seed=seed,
     )

@@ -42,6 +42,7 @@ class BlockDecodeSettings:
     mask_id: int
     pad_id: int
     stops: frozenset[int]
+    temperature: float = 0.0
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
@@ -55,6 +56,8 @@ class BlockDecodeSettings:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.mask_id in self.stops:
             raise ValueError(f"mask_id {self.mask_id} cannot also be a stop token")
+        if not 0.0 <= self.temperature <= 10.0:
+            raise ValueError(f"temperature must be in [0, 10] (0 = greedy), got {self.temperature}")
 
 
 class BlockPredictor(Protocol):
@@ -97,42 +100,68 @@ def decode_blocks(
     pad_id: int,
     stop_ids: Iterable[int],
     batch_size: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
 ) -> DecodeOutput:
-    """Validate, batch by length, decode each batch with ``make_predictor``'s logits."""
+    """Validate, batch by length, decode each batch with ``make_predictor``'s logits.
+
+    ``temperature > 0`` samples (``seed`` makes it reproducible); 0 is greedy.
+    """
     validate_prompts(prompt_ids, batch_size, max_new_tokens)
     settings = BlockDecodeSettings(
-        block_size, max_steps_per_block, float(threshold), max_new_tokens, mask_id, pad_id, stop_set(eos_id, stop_ids)
+        block_size, max_steps_per_block, float(threshold), max_new_tokens, mask_id, pad_id,
+        stop_set(eos_id, stop_ids), float(temperature),
     )
     ar = unwrap(model)
-    results: list[list[int]] = [[] for _ in prompt_ids]
-    row_passes = [0] * len(prompt_ids)
-    steps: list[int] = []
+    record = _Record(prompt_ids)
     passes = 0
     start = time.perf_counter()
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=next(ar.parameters()).device)
+        generator.manual_seed(0 if seed is None else int(seed))
     with decoding_mode(ar):
         for batch in length_sorted_batches([len(p) for p in prompt_ids], batch_size):
             predictor = make_predictor(ar, [prompt_ids[i] for i in batch], settings)
-            passes += _decode_batch(predictor, batch, settings, results, row_passes, steps)
+            passes += _decode_batch(predictor, batch, settings, record, generator)
     seconds = time.perf_counter() - start
     return DecodeOutput(
-        sequences=results,
+        sequences=record.tokens,
         forward_passes=passes,
-        tokens_generated=sum(len(s) for s in results),
+        tokens_generated=sum(len(s) for s in record.tokens),
         seconds=seconds,
-        sequence_forward_passes=row_passes,
-        steps_per_block=steps,
+        sequence_forward_passes=record.row_passes,
+        steps_per_block=record.steps,
+        unmask_steps=record.unmask_steps,
+        token_logprobs=record.logprobs,
+        tail_tokens=record.tail_tokens,
+        tail_unmask_steps=record.tail_unmask_steps,
     )
+
+
+class _Record:
+    """Per-sequence outputs being filled in batch by batch (kept in input order)."""
+
+    def __init__(self, prompt_ids: Sequence[Sequence[int]]):
+        n = len(prompt_ids)
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.unmask_steps: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.tail_tokens: list[list[int]] = [[] for _ in range(n)]
+        self.tail_unmask_steps: list[list[int]] = [[] for _ in range(n)]
+        self.row_passes = [0] * n
+        self.steps: list[int] = []
 
 
 def _decode_batch(
     predictor: BlockPredictor,
     indices: list[int],
     settings: BlockDecodeSettings,
-    results: list[list[int]],
-    row_passes: list[int],
-    steps_out: list[int],
+    record: _Record,
+    generator: torch.Generator | None,
 ) -> int:
-    """Decode one batch into ``results[indices[...]]``; returns the forward passes made."""
+    """Decode one batch into ``record`` at ``indices``; returns the forward passes made."""
+    row_passes = record.row_passes
     active = list(indices)  # batch row -> original prompt index
     passes = 0
     n_blocks = -(-settings.max_new_tokens // settings.block_size)
@@ -144,6 +173,8 @@ def _decode_batch(
         device = predictor.device
         block = torch.full((rows, length), settings.mask_id, dtype=torch.long, device=device)
         masked = torch.ones((rows, length), dtype=torch.bool, device=device)
+        unmasked_at = torch.full((rows, length), -1, dtype=torch.long, device=device)
+        logprob = torch.zeros((rows, length), dtype=torch.float32, device=device)
         state = [BlockState.OPEN] * rows
         taken = [0] * rows
         for step in range(budget):
@@ -155,8 +186,13 @@ def _decode_batch(
                     row_passes[active[r]] += 1
                 if state[r] is BlockState.OPEN:
                     taken[r] += 1
-            commit, tokens = commit_step(logits, masked & open_rows[:, None], settings.threshold, budget - step, settings.mask_id)
+            commit, tokens, token_logp = commit_step(
+                logits, masked & open_rows[:, None], settings.threshold, budget - step, settings.mask_id,
+                settings.temperature, generator,
+            )
             block = torch.where(commit, tokens, block)
+            unmasked_at = torch.where(commit, step, unmasked_at)
+            logprob = torch.where(commit, token_logp, logprob)
             masked &= ~commit
             tokens_l, masked_l = block.tolist(), masked.tolist()
             for r in range(rows):
@@ -167,14 +203,22 @@ def _decode_batch(
         if BlockState.OPEN in state:  # the ceil(remaining / steps_left) floor makes this impossible
             raise RuntimeError("a block ended its step budget with masked slots left")
         keep = [r for r in range(rows) if state[r] is not BlockState.STOPPED]
-        for r, row_tokens in enumerate(block.tolist()):
-            results[active[r]].extend(row_tokens)
-            steps_out.append(taken[r])
+        for r, (row_tokens, row_steps, row_logp) in enumerate(zip(block.tolist(), unmasked_at.tolist(), logprob.tolist())):
+            record.tokens[active[r]].extend(row_tokens)
+            record.unmask_steps[active[r]].extend(row_steps)
+            record.logprobs[active[r]].extend(row_logp)
+            record.steps.append(taken[r])
         active = [active[r] for r in keep]
         if not active or b == n_blocks - 1:
             break
         keep_t = torch.tensor(keep, device=device)
         predictor.end_block(block[keep_t], keep_t)
     for index in indices:
-        results[index] = cut_at_stop(results[index], settings.stops)[: settings.max_new_tokens]
+        kept = len(cut_at_stop(record.tokens[index], settings.stops)[: settings.max_new_tokens])
+        block_end = -(-kept // settings.block_size) * settings.block_size
+        record.tail_tokens[index] = record.tokens[index][kept:block_end]
+        record.tail_unmask_steps[index] = record.unmask_steps[index][kept:block_end]
+        record.tokens[index] = record.tokens[index][:kept]
+        record.unmask_steps[index] = record.unmask_steps[index][:kept]
+        record.logprobs[index] = record.logprobs[index][:kept]
     return passes

@@ -18,6 +18,13 @@ class DecodeOutput:
     the calls made while sequence ``i`` was still being decoded (its share of the latency).
     ``steps_per_block`` (block diffusion only) lists, for every decoded (sequence, block) pair,
     the denoising steps that block needed, so parallelism can be read per block.
+    ``unmask_steps[i][j]`` (block diffusion only) is the step, within its block, at which token
+    ``j`` of sequence ``i`` was committed, and ``token_logprobs[i][j]`` its log-probability under
+    the sampling distribution of that step: the recorded trajectory RL replays to estimate the
+    policy's log-probability (see :mod:`dgr2.train.rl_loss`).  ``tail_tokens[i]`` /
+    ``tail_unmask_steps[i]`` hold the rest of sequence ``i``'s last block after the cut (slots
+    that were still ``[MASK]`` have step ``-1``): the discarded slots took part in the block's
+    bidirectional attention, so an exact replay of the trajectory needs them.
     """
 
     sequences: list[list[int]]
@@ -26,6 +33,10 @@ class DecodeOutput:
     seconds: float
     sequence_forward_passes: list[int] = field(default_factory=list)
     steps_per_block: list[int] = field(default_factory=list)
+    unmask_steps: list[list[int]] = field(default_factory=list)
+    token_logprobs: list[list[float]] = field(default_factory=list)
+    tail_tokens: list[list[int]] = field(default_factory=list)
+    tail_unmask_steps: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:

@@ -43,7 +43,7 @@ MAX_CANDIDATES = 50
 LABELS = [f"c{i + 1}" for i in range(MAX_CANDIDATES)]
 # Words the trace grammar may use besides SID tokens, labels and digits (teachers must
 # stay inside this list; the tokenizer is built from it).
-TRACE_WORDS = [POP, "recent", "topic", "a", "b", "c", "score", ";", "none", "crowd"]
+TRACE_WORDS = [POP, "recent", "topic", "a", "b", "c", "score", ";", "none", "crowd", "scores", "order"]
 
 
 def candidate_label(index: int) -> str:
@@ -55,7 +55,7 @@ def candidate_label(index: int) -> str:
 
 def label_index(token: str) -> int | None:
     """Text label -> 0-based index, or None when the token is not a candidate label."""
-    if len(token) >= 2 and token[0] == "c" and token[1:].isdigit():
+    if len(token) >= 2 and token.isascii() and token[0] == "c" and token[1:].isdigit():
         value = int(token[1:]) - 1
         if 0 <= value < MAX_CANDIDATES and token == LABELS[value]:
             return value
