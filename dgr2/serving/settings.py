@@ -1,0 +1,104 @@
+"""Serving settings: one pydantic model for what the endpoint accepts and how it decodes.
+
+Why separate from :mod:`dgr2.config`: the training tree describes a *run*; these describe a
+*deployment* (limits that protect a replica, batching, auth) and come from the Serve app
+builder's arguments (``serve run serve.app:build_app bundle=/path max_batch_size=8`` or the
+``args:`` of ``serve/config.yaml``).  Values arriving from the CLI are strings, so the model
+is lax about types (``"8"`` -> 8) but refuses unknown keys, so a typo never passes silently.
+
+Limits and the rules behind them:
+
+* ``max_candidates`` (default 50 = ``format.MAX_CANDIDATES``, the grammar's label limit):
+  more candidates are refused (422 ``too_many_candidates``).  The model was trained on
+  ``data.num_candidates`` (10 by default); lists far longer than that are accepted up to the
+  limit but are out of the training distribution - lower the limit to refuse them.
+* ``max_history`` (default 50): a longer history is **refused** (422 ``history_too_long``),
+  never silently cut, so a client always knows what the model saw.  Send the most recent N
+  items yourself (the pipeline truncates training histories to ``data.max_history``).
+* ``max_body_bytes``: larger bodies are refused with 413 before JSON parsing, from the
+  ``Content-Length`` header when present and from the bytes actually read otherwise.
+* Decoding: the defaults come from the bundle's ``bundle.json`` (``decoding``) unless set
+  here; a request may override ``threshold`` (``min_threshold``..1), ``max_steps_per_block``
+  (1..block size) and ``max_new_tokens`` (1..``max_new_tokens_cap``).
+* Auth: when the environment variable named by ``auth_token_env`` (``DGR2_SERVE_TOKEN``) is
+  set and non-empty *in the replica's environment*, every ``/v1/*`` route needs
+  ``Authorization: Bearer <token>`` (401 otherwise; compared in constant time, never logged).
+  Unset: no auth (loopback development).  ``/healthz`` stays open for load balancers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dgr2.traces import format as fmt
+
+ModelChoice = Literal["diffusion", "ar"]
+DEFAULT_TOKEN_ENV = "DGR2_SERVE_TOKEN"
+
+
+class DecodingDefaults(BaseModel):
+    """Decoding knobs; ``None`` means "take the bundle's value" (then the built-in fallback)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threshold: float | None = Field(None, gt=0.0, le=1.0)
+    max_steps_per_block: int | None = Field(None, ge=1, le=64)
+    max_new_tokens: int | None = Field(None, ge=1)
+
+
+# Used when neither the settings nor the bundle say anything (paper-style threshold rule).
+FALLBACK_DECODING = {"threshold": 0.9, "max_steps_per_block": 8, "max_new_tokens": 224}
+
+
+class ServeSettings(BaseModel):
+    """Everything a replica needs besides the bundle's own files."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    bundle: str = Field(..., min_length=1, description="bundle dir or MLflow URI (models:/dgr2-reranker/1)")
+    model: ModelChoice | None = Field(
+        None, description="which model of the bundle to serve; None = the bundle's kind",
+    )
+    # ---- request limits
+    max_candidates: int = Field(fmt.MAX_CANDIDATES, ge=1, le=fmt.MAX_CANDIDATES)
+    max_history: int = Field(50, ge=0, le=1000)
+    max_item_id_length: int = Field(128, ge=1, le=4096)
+    max_body_bytes: int = Field(64 * 1024, ge=256, le=16 * 1024 * 1024)
+    # ---- decoding
+    decoding: DecodingDefaults = DecodingDefaults()
+    min_threshold: float = Field(0.3, gt=0.0, le=1.0)
+    max_new_tokens_cap: int = Field(1024, ge=1, le=8192)
+    # ---- batching (max_ongoing_requests of the deployment must be >= max_batch_size)
+    max_batch_size: int = Field(16, ge=1, le=256)
+    batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=10.0)
+    max_ongoing_requests: int | None = Field(None, ge=1, description="None = 2 x max_batch_size")
+    # ---- runtime
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    torch_threads: int | None = Field(None, ge=1, le=256)
+    auth_token_env: str = Field(DEFAULT_TOKEN_ENV, min_length=1)
+    # ---- deployment options applied by the app builder (a Serve config file's
+    # ``deployments:`` entries override them)
+    num_replicas: int | None = Field(None, ge=1)
+    num_cpus: float | None = Field(None, ge=0)
+    num_gpus: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServeSettings":
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < self.max_batch_size:
+            raise ValueError(
+                f"max_ongoing_requests ({self.max_ongoing_requests}) < max_batch_size ({self.max_batch_size}): "
+                "a replica would never see a full batch"
+            )
+        t = self.decoding.threshold
+        if t is not None and t < self.min_threshold:
+            raise ValueError(f"decoding.threshold {t} below min_threshold {self.min_threshold}")
+        n = self.decoding.max_new_tokens
+        if n is not None and n > self.max_new_tokens_cap:
+            raise ValueError(f"decoding.max_new_tokens {n} above max_new_tokens_cap {self.max_new_tokens_cap}")
+        return self
+
+    @property
+    def effective_max_ongoing_requests(self) -> int:
+        return self.max_ongoing_requests or 2 * self.max_batch_size
