@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROFILE_DIR = Path(__file__).parent / "configs"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA_DIR = PROJECT_ROOT.parent / "shared" / "data" / "amazon_beauty"
+# Environment overrides matter under `ray job submit --working-dir`, where PROJECT_ROOT is a
+# temporary copy of the repository: data must be read from, and runs written to, stable places.
+DEFAULT_DATA_DIR = Path(os.environ.get("DGR2_DATA_DIR", PROJECT_ROOT.parent / "shared" / "data" / "amazon_beauty"))
+DEFAULT_RUNS_DIR = Path(os.environ.get("DGR2_RUNS_DIR", PROJECT_ROOT / "runs"))
 
 
 class _Strict(BaseModel):
@@ -103,6 +107,7 @@ class TrainConfig(_Strict):
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(10, ge=1)
     max_failures: int = Field(2, ge=0)
+    cpus_per_worker: float = Field(1.0, gt=0)  # Ray resources of one train worker (CPU runs)
     seed: int = 0
 
 
@@ -110,8 +115,11 @@ class EvalConfig(_Strict):
     """Decoding-based evaluation on the validation and test sets."""
 
     batch_size: int = Field(64, ge=1)
-    max_new_tokens: int = Field(160, ge=8)
+    max_new_tokens: int = Field(224, ge=8)
     splits: list[Literal["valid", "test"]] = ["valid", "test"]
+    # decoding thresholds tau swept for the final diffusion model (the speed/accuracy curve)
+    tau_sweep: list[float] = [1.0, 0.9, 0.7, 0.5]
+    tau_sweep_split: Literal["valid", "test"] = "test"
 
 
 class DiffusionConfig(_Strict):
@@ -137,6 +145,65 @@ class DiffusionConfig(_Strict):
         return self
 
 
+class CftConfig(TrainConfig):
+    """Conversion fine-tuning: masked block-diffusion loss on the teacher trajectories."""
+
+    lr: float = Field(1e-3, gt=0)
+    # optimizer steps of the "generic masked-denoising" baseline (same loss on prompt text only)
+    generic_steps: int = Field(60, ge=1)
+
+
+class RolloutConfig(_Strict):
+    """The Ray actor pool that decodes on-policy trajectories for OPD and RL."""
+
+    num_actors: int = Field(2, ge=1, le=256)
+    batch_size: int = Field(16, ge=1)  # prompts per actor call (one decode batch)
+    num_cpus_per_actor: float = Field(0.5, gt=0)
+    num_gpus_per_actor: float = Field(0.0, ge=0)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)  # sampling temperature of rollouts (0 = greedy)
+    weight_sync_timeout_s: float = Field(120.0, gt=0)  # a sync slower than this raises, never hangs
+    request_timeout_s: float = Field(600.0, gt=0)  # one batch; past it the actor is presumed dead
+    # starting one actor (process, imports, model build, first weights); past it the actor is
+    # presumed stuck (e.g. no free resources) - kept apart from the two timeouts above so a
+    # short request or sync timeout never kills replacements that are still starting
+    actor_start_timeout_s: float = Field(300.0, gt=0)
+    max_actor_restarts: int = Field(8, ge=0)  # replacements over the pool's life before giving up
+    max_new_tokens: int = Field(224, ge=8)
+
+
+class OpdConfig(TrainConfig):
+    """On-policy distillation: student rollouts, dense per-token targets from the AR teacher."""
+
+    divergence: Literal["reverse_kl", "forward_kl", "jsd"] = "reverse_kl"
+    jsd_beta: float = Field(0.5, gt=0.0, lt=1.0)  # JSD mixture weight (0.5 = symmetric)
+    teacher_top_k: int | None = Field(None, ge=1)  # keep only the teacher's top-k (None = full)
+    prompts_per_step: int = Field(16, ge=1)
+    rollouts_per_prompt: int = Field(2, ge=1, le=64)
+    # which noisy state the student is scored in on its own rollout: "replay" = the state before
+    # a recorded decoding step (what its decoder saw); "random" = the training mask schedule
+    student_mask: Literal["replay", "random"] = "replay"
+
+
+class RlConfig(TrainConfig):
+    """GRPO-style RL on the re-ranking reward (one policy-gradient step per rollout batch, so the
+    clipped ratio guards against the actor/learner numeric mismatch rather than reuse)."""
+
+    group_size: int = Field(4, ge=2, le=64)
+    prompts_per_step: int = Field(8, ge=1)
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0)
+    clip_eps_high: float = Field(0.28, gt=0.0, lt=1.0)  # DAPO clip-higher
+    invalid_reward: float = Field(-1.0, le=0.0)
+    echo_alpha: float = Field(0.2, ge=0.0, le=1.0)  # weight of the conditional format term
+    # how many of a block's recorded unmasking steps are replayed per update (None = all)
+    replay_steps: int | None = Field(None, ge=1)
+
+
+class ServeModelConfig(_Strict):
+    """How the pipeline's final model is published (MLflow registry name)."""
+
+    name: str = Field("dgr2-reranker", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+
+
 class TrackingConfig(_Strict):
     """MLflow: local sqlite under the run directory unless a tracking URI is given."""
 
@@ -145,10 +212,10 @@ class TrackingConfig(_Strict):
 
 
 class PipelineConfig(_Strict):
-    """Where runs live and which stages the flow runs."""
+    """Where runs live (stage caches, run folders, the local MLflow store).  Which stages run is
+    a command-line choice (``--stages`` / ``--from``), not part of the run's identity."""
 
-    runs_dir: Path = PROJECT_ROOT / "runs"
-    stages: list[str] = ["data", "sft", "eval"]
+    runs_dir: Path = DEFAULT_RUNS_DIR
 
 
 class Config(_Strict):
@@ -162,6 +229,11 @@ class Config(_Strict):
     sft: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     diffusion: DiffusionConfig = DiffusionConfig()
+    cft: CftConfig = CftConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    opd: OpdConfig = OpdConfig()
+    rl: RlConfig = RlConfig()
+    serve_model: ServeModelConfig = ServeModelConfig()
     tracking: TrackingConfig = TrackingConfig()
     pipeline: PipelineConfig = PipelineConfig()
 

@@ -1,7 +1,12 @@
 """The pipeline's stages: each takes the config plus its inputs' outputs, returns its own.
 
 Data flows one way: files -> examples (Parquet) -> SIDs + tokenizer -> traces -> tokenized
-batches -> SFT checkpoint -> evaluation.  Every stage is cached in the :class:`StageStore`
+batches -> AR SFT checkpoint -> evaluation (baselines + AR) -> the block-diffusion recipe, each
+step a checkpoint plus an evaluation on the same valid/test sets: ``naive`` (the SFT weights
+decoded as a block-diffusion model, no training), ``mdm`` (the same plus generic masked-denoising
+fine-tuning on prompt text only), ``cft`` (conversion fine-tuning on the teacher trajectories),
+``opd`` (on-policy distillation from the AR teacher), ``rl`` (GRPO on the re-ranking reward)
+-> ``report`` (the one table, the speed/accuracy curve over the decoding threshold, curves).  Every stage is cached in the :class:`StageStore`
 under a key that hashes the config sections it reads and its inputs' keys, so a rerun skips
 finished stages and a killed one resumes in its ``.partial`` folder.  ``flows/full_pipeline.py``
 only wires these together and talks to MLflow.
@@ -22,8 +27,29 @@ from dgr2.stage_store import StageOutput, StageStore, stage_key
 log = logging.getLogger(__name__)
 
 # Bump a stage's version when its code changes what it writes (invalidates its cache).
-STAGE_VERSIONS = {"data": "1", "vocab": "1", "traces": "1", "sft": "1", "eval": "1"}
-STAGE_ORDER = ["data", "vocab", "traces", "sft", "eval"]
+STAGE_VERSIONS = {
+    "data": "1", "vocab": "2", "traces": "2", "sft": "1", "eval": "2",
+    "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "2", "register": "1", "ar_rl": "1",
+}
+# Each stage and the stages whose outputs it reads (the flow resolves these first).
+STAGE_INPUTS: dict[str, list[str]] = {
+    "data": [],
+    "vocab": ["data"],
+    "traces": ["data", "vocab"],
+    "sft": ["vocab", "traces"],
+    "eval": ["data", "vocab", "sft"],
+    "ar_rl": ["data", "vocab", "sft"],
+    "naive": ["data", "vocab", "sft"],
+    "mdm": ["data", "vocab", "sft"],
+    "cft": ["data", "vocab", "traces", "sft"],
+    "opd": ["data", "vocab", "sft", "cft"],
+    "rl": ["data", "vocab", "opd"],
+    "report": ["data", "vocab", "sft", "eval", "ar_rl", "naive", "mdm", "cft", "opd", "rl"],
+    "register": ["vocab", "sft", "rl", "report"],
+}
+STAGE_ORDER = list(STAGE_INPUTS)
+# stages handed the MLflow URI and their run id (per-step metrics, model registration)
+TRACKED_STAGES = ("sft", "ar_rl", "mdm", "cft", "opd", "rl", "register")
 
 
 def _key(stage: str, cfg: Config, sections: tuple[str, ...], inputs: list[StageOutput]) -> str:
@@ -35,7 +61,7 @@ def _key(stage: str, cfg: Config, sections: tuple[str, ...], inputs: list[StageO
 
 
 # --------------------------------------------------------------------------- data
-def run_data(cfg: Config, store: StageStore) -> StageOutput:
+def run_data(cfg: Config, store: StageStore, **_) -> StageOutput:
     """Load the dataset folder, split, build candidate lists; Parquet per split."""
     from dgr2.data.prepare import prepare_examples
 
@@ -70,7 +96,7 @@ def item_counts(data: StageOutput) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- vocab
-def run_vocab(cfg: Config, store: StageStore, data: StageOutput) -> StageOutput:
+def run_vocab(cfg: Config, store: StageStore, data: StageOutput, **_) -> StageOutput:
     """Semantic IDs from keyword levels, the item catalog and the HF tokenizer."""
     from dgr2.data.loader import load_raw_dataset
     from dgr2.tokenizer.catalog import ItemCatalog
@@ -94,7 +120,7 @@ def run_vocab(cfg: Config, store: StageStore, data: StageOutput) -> StageOutput:
 
 
 # --------------------------------------------------------------------------- traces
-def run_traces(cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput) -> StageOutput:
+def run_traces(cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, **_) -> StageOutput:
     """Teacher traces by rejection sampling, then tokenized training rows for SFT."""
     import pyarrow.parquet as pq
 
@@ -136,7 +162,7 @@ def run_traces(cfg: Config, store: StageStore, data: StageOutput, vocab: StageOu
 # --------------------------------------------------------------------------- sft
 def run_sft(
     cfg: Config, store: StageStore, vocab: StageOutput, traces: StageOutput,
-    mlflow_uri: str | None, mlflow_run_id: str | None,
+    mlflow_uri: str | None = None, mlflow_run_id: str | None = None, **_,
 ) -> StageOutput:
     """AR SFT on prompt + trace + answer under Ray Train + DeepSpeed ZeRO."""
     from dgr2.train.harness import StageJob, run_stage
@@ -163,53 +189,434 @@ def run_sft(
     return store.run("sft", key, build)
 
 
-# --------------------------------------------------------------------------- eval
-def run_eval(cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput) -> StageOutput:
-    """Baselines and the AR model on valid/test: ranking, structural metrics and tokens/s."""
+# --------------------------------------------------------------------------- evaluation helper
+def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None = None):
+    """The decode callable of an evaluation: greedy AR, or block diffusion with cfg.diffusion."""
+    from dgr2.decoding.ar import ar_generate
+    from dgr2.decoding.block_diffusion import diffusion_generate
+    from dgr2.eval.model_eval import stop_token_ids
+    from dgr2.models.block_diffusion import mask_id_from_tokenizer
+
+    stops = stop_token_ids(tokenizer)
+    common = dict(max_new_tokens=cfg.eval.max_new_tokens, eos_id=tokenizer.eos_token_id,
+                  pad_id=tokenizer.pad_token_id, stop_ids=stops, batch_size=cfg.eval.batch_size)
+    if kind == "ar":
+        return lambda prompt_ids: ar_generate(model, prompt_ids, **common)
+    d = cfg.diffusion
+    tau = d.confidence_threshold if threshold is None else threshold
+    return lambda prompt_ids: diffusion_generate(
+        model, prompt_ids, block_size=d.block_size, max_steps_per_block=d.max_steps_per_block, threshold=tau,
+        mask_id=mask_id_from_tokenizer(tokenizer), **common,
+    )
+
+
+def evaluate_model(
+    cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
+    name: str, work: Path, splits: list[str] | None = None, threshold: float | None = None,
+) -> dict[str, dict[str, float]]:
+    """Decode ``model_dir`` on each split, score strictly; write ``<name>_<split>.json`` and the
+    completions; return one results-table row per split (ranking, structure, tokens/s)."""
     import torch
 
-    from dgr2.decoding.ar import ar_generate
-    from dgr2.eval.baselines import baseline_metrics
-    from dgr2.eval.model_eval import evaluate_decoder, flat_row, stop_token_ids
-    from dgr2.eval.report import write_results_table
+    from dgr2.eval.model_eval import evaluate_decoder, flat_row
     from dgr2.models.ar import load_model
     from dgr2.tokenizer.catalog import ItemCatalog
     from dgr2.tokenizer.hf import load_tokenizer
 
+    torch.manual_seed(cfg.data.seed)
+    catalog = ItemCatalog.load(vocab.file("catalog"))
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = load_model(model_dir)
+    decode = _decoder(cfg, kind, model, tokenizer, threshold)
+    rows: dict[str, dict[str, float]] = {}
+    for split in splits or cfg.eval.splits:
+        examples = load_split(data, split)
+        t0 = time.perf_counter()
+        evaluated = evaluate_decoder(decode, tokenizer, catalog, examples)
+        log.info("eval %s %s: %d examples in %.1fs (%.0f tok/s)", name, split, len(examples),
+                 time.perf_counter() - t0, evaluated.decode["tokens_per_s"])
+        row = flat_row(evaluated)
+        row["tokens_per_forward"] = evaluated.decode["mean_tokens_per_sequence"] / max(evaluated.decode["mean_passes_per_sequence"], 1e-9)
+        row["mean_completion_tokens"] = evaluated.decode["mean_tokens_per_sequence"]
+        rows[split] = row
+        (work / f"{name}_{split}.json").write_text(json.dumps({"eval": evaluated.result, "decode": evaluated.decode}, indent=1))
+        (work / f"completions_{name}_{split}.jsonl").write_text(
+            "\n".join(json.dumps({"example_id": ex["example_id"], "completion": c})
+                      for ex, c in zip(examples, evaluated.completions))
+        )
+    return rows
+
+
+def _eval_outputs(rows: dict[str, dict[str, float]], name: str) -> dict[str, str]:
+    return {f"{name}_{split}": f"{name}_{split}.json" for split in rows}
+
+
+# --------------------------------------------------------------------------- eval
+def run_eval(cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput, **_) -> StageOutput:
+    """Baselines and the AR model on valid/test: ranking, structural metrics and tokens/s."""
+    from dgr2.eval.baselines import baseline_metrics
+    from dgr2.eval.report import write_results_table
+
     key = _key("eval", cfg, ("eval",), [data, vocab, sft])
 
     def build(work: Path) -> dict[str, Any]:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        catalog = ItemCatalog.load(vocab.file("catalog"))
-        tokenizer = load_tokenizer(sft.file("tokenizer"))
-        model = load_model(sft.file("model"))
         counts = item_counts(data)
-        stops = stop_token_ids(tokenizer)
-
-        def decode(prompt_ids):
-            return ar_generate(
-                model, prompt_ids, max_new_tokens=cfg.eval.max_new_tokens, eos_id=tokenizer.eos_token_id,
-                pad_id=tokenizer.pad_token_id, stop_ids=stops, batch_size=cfg.eval.batch_size,
-            )
-
+        ar_rows = evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", "ar_sft", work)
         outputs, summary = {}, {}
         for split in cfg.eval.splits:
             examples = load_split(data, split)
             rows = {name: {k: v for k, v in m.items() if k != "ndcg@1"}
                     for name, m in baseline_metrics(examples, counts, seed=cfg.data.seed).items()}
-            t0 = time.perf_counter()
-            evaluated = evaluate_decoder(decode, tokenizer, catalog, examples)
-            log.info("eval %s: %d examples decoded in %.1fs", split, len(examples), time.perf_counter() - t0)
-            rows["ar_sft"] = flat_row(evaluated)
+            rows["ar_sft"] = ar_rows[split]
             files = write_results_table(rows, work, f"Amazon Beauty {split} (n={len(examples)})", stem=f"results_{split}")
-            (work / f"completions_{split}.jsonl").write_text(
-                "\n".join(json.dumps({"example_id": ex["example_id"], "completion": c})
-                          for ex, c in zip(examples, evaluated.completions))
-            )
-            (work / f"ar_sft_{split}.json").write_text(json.dumps(
-                {"eval": evaluated.result, "decode": evaluated.decode}, indent=1))
             outputs.update({f"{split}_{kind}": str(p.relative_to(work)) for kind, p in files.items()})
             summary[split] = rows
         return {"outputs": outputs, "stats": {"tables": summary}}
 
     return store.run("eval", key, build)
+
+
+# --------------------------------------------------------------------------- block diffusion stages
+def _write_diffusion_meta(model_dir: Path, cfg: Config, tokenizer_dir: Path) -> None:
+    """Mark a HF checkpoint as a block-diffusion model (mask id, block size, schedule)."""
+    from dgr2.models.block_diffusion import META_FILE, mask_id_from_tokenizer
+    from dgr2.tokenizer.hf import load_tokenizer
+
+    d = cfg.diffusion
+    meta = {"mask_id": mask_id_from_tokenizer(load_tokenizer(tokenizer_dir)), "block_size": d.block_size,
+            "mask_schedule": d.mask_schedule, "mask_eps": d.mask_eps, "loss_weighting": d.loss_weighting}
+    (Path(model_dir) / META_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def _diffusion_extra(cfg: Config, tokenizer_dir: Path) -> dict[str, Any]:
+    from dgr2.eval.model_eval import stop_token_ids
+    from dgr2.models.block_diffusion import mask_id_from_tokenizer
+    from dgr2.tokenizer.hf import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    return {"mask_id": mask_id_from_tokenizer(tok), "pad_id": tok.pad_token_id,
+            "diffusion": cfg.diffusion.model_dump(mode="json"), "stop_ids": stop_token_ids(tok)}
+
+
+def _train_stage(
+    stage: str, cfg: Config, train_cfg, work: Path, *, loss: str, data_path: Path, init: StageOutput,
+    tokenizer_dir: Path, extra: dict[str, Any], loop: str, mlflow_uri: str | None, mlflow_run_id: str | None,
+) -> dict[str, Any]:
+    """Run one training stage from ``init``'s model, write model/ (+ diffusion meta) and history."""
+    from dgr2.config import TrainConfig
+    from dgr2.train.harness import StageJob, run_stage
+
+    train = {k: v for k, v in train_cfg.model_dump(mode="json").items() if k in TrainConfig.model_fields}
+    job = StageJob(
+        stage=stage, loss=loss, train=train, model=cfg.model.model_dump(mode="json"),
+        tokenizer_dir=str(tokenizer_dir), data_path=str(data_path), storage_dir=str(work / "ray_train"),
+        init_model_dir=str(init.file("model")), mlflow_uri=mlflow_uri, mlflow_run_id=mlflow_run_id,
+        extra=extra, loop=loop,
+    )
+    result = run_stage(job)
+    shutil.copytree(result.model_dir, work / "model")
+    shutil.copytree(tokenizer_dir, work / "tokenizer")
+    _write_diffusion_meta(work / "model", cfg, work / "tokenizer")
+    history = result.metrics.pop("history", [])
+    (work / "history.json").write_text(json.dumps(history, indent=1))
+    return {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))}
+
+
+def run_naive(cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput, **_) -> StageOutput:
+    """Naive conversion: the AR SFT weights decoded as a block-diffusion model, no training."""
+    key = _key("naive", cfg, ("eval", "diffusion"), [data, vocab, sft])
+
+    def build(work: Path) -> dict[str, Any]:
+        shutil.copytree(sft.file("model"), work / "model")
+        shutil.copytree(sft.file("tokenizer"), work / "tokenizer")
+        _write_diffusion_meta(work / "model", cfg, work / "tokenizer")
+        rows = evaluate_model(cfg, data, vocab, work / "model", work / "tokenizer", "diffusion", "naive", work)
+        return {"outputs": {"model": "model", "tokenizer": "tokenizer", **_eval_outputs(rows, "naive")},
+                "stats": {"eval": rows}}
+
+    return store.run("naive", key, build)
+
+
+def _prompt_rows(cfg: Config, data: StageOutput, vocab: StageOutput, tokenizer_dir: Path, split: str = "train") -> list[dict[str, Any]]:
+    from dgr2.eval.model_eval import encode_prompts
+    from dgr2.tokenizer.catalog import ItemCatalog
+    from dgr2.tokenizer.hf import load_tokenizer
+
+    examples = [ex for ex in load_split(data, split) if ex["target_index"] >= 0]
+    ids = encode_prompts(load_tokenizer(tokenizer_dir), ItemCatalog.load(vocab.file("catalog")), examples)
+    return [{"example_id": ex["example_id"], "prompt_ids": p, "num_candidates": len(ex["candidates"]),
+             "target_index": ex["target_index"]} for ex, p in zip(examples, ids)]
+
+
+def run_mdm(
+    cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput,
+    mlflow_uri: str | None = None, mlflow_run_id: str | None = None, **_,
+) -> StageOutput:
+    """Generic masked-denoising fine-tuning: the CFT loss on prompt text only (no traces, no
+    answers) - the conversion adapts to bidirectional blocks without learning the output structure."""
+    from dgr2.train.batches import write_tokenized
+
+    key = _key("mdm", cfg, ("model", "cft", "diffusion", "eval"), [data, vocab, sft])
+
+    def build(work: Path) -> dict[str, Any]:
+        import pyarrow as pa
+
+        tokenizer_dir = sft.file("tokenizer")
+        rows = _prompt_rows(cfg, data, vocab, tokenizer_dir)
+        table = pa.table({"input_ids": pa.array([r["prompt_ids"] for r in rows], type=pa.list_(pa.int32())),
+                          "prompt_len": pa.array([1] * len(rows), type=pa.int32())})  # "<s>" is the prompt
+        write_tokenized(table, work / "generic_tokens.parquet")
+        train_cfg = cfg.cft.model_copy(update={"max_steps": cfg.cft.generic_steps})
+        stats = _train_stage("mdm", cfg, train_cfg, work, loss="cft", data_path=work / "generic_tokens.parquet",
+                             init=sft, tokenizer_dir=tokenizer_dir, extra=_diffusion_extra(cfg, tokenizer_dir),
+                             loop="offline", mlflow_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
+        (work / "generic_tokens.parquet").unlink()
+        evals = evaluate_model(cfg, data, vocab, work / "model", work / "tokenizer", "diffusion", "mdm", work)
+        return {"outputs": {"model": "model", "tokenizer": "tokenizer", "history": "history.json", **_eval_outputs(evals, "mdm")},
+                "stats": {**stats, "eval": evals}}
+
+    return store.run("mdm", key, build)
+
+
+def run_cft(
+    cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, traces: StageOutput, sft: StageOutput,
+    mlflow_uri: str | None = None, mlflow_run_id: str | None = None, **_,
+) -> StageOutput:
+    """Conversion fine-tuning: the block-diffusion loss on the teacher trajectories (trace + answer)."""
+    key = _key("cft", cfg, ("model", "cft", "diffusion", "eval"), [data, vocab, traces, sft])
+
+    def build(work: Path) -> dict[str, Any]:
+        tokenizer_dir = sft.file("tokenizer")
+        stats = _train_stage("cft", cfg, cfg.cft, work, loss="cft", data_path=traces.file("tokens"), init=sft,
+                             tokenizer_dir=tokenizer_dir, extra=_diffusion_extra(cfg, tokenizer_dir), loop="offline",
+                             mlflow_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
+        evals = evaluate_model(cfg, data, vocab, work / "model", work / "tokenizer", "diffusion", "cft", work)
+        return {"outputs": {"model": "model", "tokenizer": "tokenizer", "history": "history.json", **_eval_outputs(evals, "cft")},
+                "stats": {**stats, "eval": evals}}
+
+    return store.run("cft", key, build)
+
+
+def _online_stage(
+    stage: str, cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, init: StageOutput,
+    extra_inputs: list[StageOutput], sections: tuple[str, ...], train_cfg, extra: dict[str, Any],
+    mlflow_uri: str | None, mlflow_run_id: str | None, eval_kind: str = "diffusion", loss: str | None = None,
+) -> StageOutput:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    key = _key(stage, cfg, ("model", "diffusion", "rollout", "eval", *sections), [data, vocab, init, *extra_inputs])
+
+    def build(work: Path) -> dict[str, Any]:
+        tokenizer_dir = init.file("tokenizer")
+        rows = _prompt_rows(cfg, data, vocab, tokenizer_dir)
+        pq.write_table(pa.Table.from_pylist(rows), work / "prompts.parquet")
+        full_extra = {**_diffusion_extra(cfg, tokenizer_dir), "rollout": cfg.rollout.model_dump(mode="json"),
+                      "prompts_per_step": train_cfg.prompts_per_step, **extra}
+        stats = _train_stage(stage, cfg, train_cfg, work, loss=loss or stage, data_path=work / "prompts.parquet", init=init,
+                             tokenizer_dir=tokenizer_dir, extra=full_extra, loop="online",
+                             mlflow_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
+        (work / "prompts.parquet").unlink()
+        _plot_history(work / "history.json", work / f"{stage}_curves.png", stage)
+        evals = evaluate_model(cfg, data, vocab, work / "model", work / "tokenizer", eval_kind, stage, work)
+        return {"outputs": {"model": "model", "tokenizer": "tokenizer", "history": "history.json",
+                            "curves": f"{stage}_curves.png", **_eval_outputs(evals, stage)},
+                "stats": {**stats, "eval": evals}}
+
+    return store.run(stage, key, build)
+
+
+def run_opd(
+    cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput, cft: StageOutput,
+    mlflow_uri: str | None = None, mlflow_run_id: str | None = None, **_,
+) -> StageOutput:
+    """On-policy distillation: CFT student rollouts on Ray actors, the frozen AR SFT model as teacher."""
+    o = cfg.opd
+    extra = {"kind": "opd", "teacher_dir": str(sft.file("model")), "samples_per_prompt": o.rollouts_per_prompt,
+             "opd": {"divergence": o.divergence, "jsd_beta": o.jsd_beta, "teacher_top_k": o.teacher_top_k,
+                     "student_mask": o.student_mask}}
+    return _online_stage("opd", cfg, store, data, vocab, cft, [sft], ("opd",), o, extra, mlflow_uri, mlflow_run_id)
+
+
+def _rl_extra(cfg: Config) -> dict[str, Any]:
+    r = cfg.rl
+    return {"kind": "rl", "samples_per_prompt": r.group_size,
+            "rl": {"clip_low": r.clip_eps, "clip_high": r.clip_eps_high, "temperature": cfg.rollout.temperature,
+                   "replay_steps": r.replay_steps},
+            "reward": {"invalid_reward": r.invalid_reward, "echo_alpha": r.echo_alpha}}
+
+
+def run_rl(
+    cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, opd: StageOutput,
+    mlflow_uri: str | None = None, mlflow_run_id: str | None = None, **_,
+) -> StageOutput:
+    """GRPO on the re-ranking reward, starting from the OPD student."""
+    r, extra = cfg.rl, _rl_extra(cfg)
+    return _online_stage("rl", cfg, store, data, vocab, opd, [], ("rl",), r, extra, mlflow_uri, mlflow_run_id)
+
+
+def run_ar_rl(
+    cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput,
+    mlflow_uri: str | None = None, mlflow_run_id: str | None = None, **_,
+) -> StageOutput:
+    """GRPO on the AR model (the GR2 stage), so AR and diffusion are compared after equal recipes.
+
+    The same online loop, with block size 1: a block-diffusion model with one-token blocks *is*
+    the AR model (same logits, tested), its rollouts are AR sampling and its replay is the exact
+    AR log-probability.  Evaluated with the AR decoder.
+    """
+    ar_cfg = cfg.model_copy(update={"diffusion": cfg.diffusion.model_copy(update={"block_size": 1, "max_steps_per_block": 1})})
+    r, extra = cfg.rl, _rl_extra(cfg)
+    return _online_stage("ar_rl", ar_cfg, store, data, vocab, sft, [], ("rl",), r, extra, mlflow_uri, mlflow_run_id,
+                         eval_kind="ar", loss="rl")
+
+
+def _plot_history(history_path: Path, out: Path, stage: str) -> None:
+    """Per-step curves of an online stage (reward, divergence/loss, validity) as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = json.loads(history_path.read_text())
+    if not history:
+        return
+    panels = [("rollout/reward_mean", "reward (rollouts)"), ("train/divergence", "divergence to teacher"),
+              ("train/loss", "loss"), ("rollout/valid_rate", "valid rate (rollouts, T>0)")]
+    panels = [(k, t) for k, t in panels if any(k in h for h in history)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (k, title) in zip(list(axes) if len(panels) > 1 else [axes], panels):
+        steps = [h["step"] for h in history if k in h]
+        ax.plot(steps, [h[k] for h in history if k in h], marker=".")
+        ax.set_title(f"{stage}: {title}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- report
+REPORT_ROWS = [("ar_sft", "eval"), ("ar_sft_rl", "ar_rl"), ("naive", "naive"), ("mdm", "mdm"), ("cft", "cft"), ("opd", "opd"), ("rl", "rl")]
+
+
+def run_report(
+    cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput, evals: StageOutput,
+    ar_rl: StageOutput, naive: StageOutput, mdm: StageOutput, cft: StageOutput, opd: StageOutput, rl: StageOutput, **_,
+) -> StageOutput:
+    """The recipe's table (baselines, AR, every diffusion stage), the tau speed/accuracy sweep of
+    the final model next to the AR model, and the stage curves."""
+    from dgr2.eval.report import write_results_table
+
+    stages = {"eval": evals, "ar_rl": ar_rl, "naive": naive, "mdm": mdm, "cft": cft, "opd": opd, "rl": rl}
+    key = _key("report", cfg, ("eval", "diffusion"), [data, vocab, sft, *stages.values()])
+
+    def build(work: Path) -> dict[str, Any]:
+        outputs: dict[str, str] = {}
+        tables: dict[str, Any] = {}
+        for split in cfg.eval.splits:
+            base = evals.manifest["stats"]["tables"][split]
+            rows = {k: v for k, v in base.items() if k != "ar_sft"}
+            for name, source in REPORT_ROWS:
+                out = stages[source]
+                rows[name] = base["ar_sft"] if source == "eval" else out.manifest["stats"]["eval"][split]
+            files = write_results_table(rows, work, f"Diffusion-GR2 recipe, Amazon Beauty {split}", stem=f"recipe_{split}")
+            outputs.update({f"{split}_{kind}": str(p.relative_to(work)) for kind, p in files.items()})
+            tables[split] = rows
+        sweep = _tau_sweep(cfg, data, vocab, sft, rl, work)
+        outputs.update(sweep["outputs"])
+        return {"outputs": outputs, "stats": {"tables": tables, "tau_sweep": sweep["rows"]}}
+
+    return store.run("report", key, build)
+
+
+def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOutput, final: StageOutput, work: Path) -> dict[str, Any]:
+    """Accuracy and tokens/s of the final diffusion model over thresholds, AR measured alongside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dgr2.eval.report import write_results_table
+
+    split = cfg.eval.tau_sweep_split
+    sweep_dir = work / "tau_sweep"
+    sweep_dir.mkdir()
+    rows = {"ar_sft": evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", "ar", sweep_dir, [split])[split]}
+    for tau in cfg.eval.tau_sweep:
+        name = f"rl_tau{tau:g}"
+        rows[name] = evaluate_model(cfg, data, vocab, final.file("model"), final.file("tokenizer"), "diffusion",
+                                    name, sweep_dir, [split], threshold=tau)[split]
+    ar_tps = rows["ar_sft"]["tokens_per_s"]
+    for row in rows.values():
+        row["speedup_vs_ar"] = row["tokens_per_s"] / max(ar_tps, 1e-9)
+    files = write_results_table(rows, work, f"Final model over decoding threshold tau ({split})", stem="tau_sweep")
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for name, row in rows.items():
+        ax.scatter(row["tokens_per_s"], row["ndcg@10"], label=name, s=40 if name == "ar_sft" else 25)
+        ax.annotate(name.replace("rl_", ""), (row["tokens_per_s"], row["ndcg@10"]), fontsize=8)
+    ax.set_xlabel("decode tokens/s (same machine, same prompts)")
+    ax.set_ylabel(f"NDCG@10 ({split}, strict)")
+    ax.set_title("speed / accuracy over tau")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(work / "tau_sweep_curve.png", dpi=110)
+    plt.close(fig)
+    outputs = {f"tau_{kind}": str(p.relative_to(work)) for kind, p in files.items()}
+    outputs["tau_curve"] = "tau_sweep_curve.png"
+    return {"outputs": outputs, "rows": rows}
+
+
+# --------------------------------------------------------------------------- register
+def run_register(
+    cfg: Config, store: StageStore, vocab: StageOutput, sft: StageOutput, rl: StageOutput, report: StageOutput,
+    mlflow_uri: str | None = None, mlflow_run_id: str | None = None, **_,
+) -> StageOutput:
+    """Package the final model as a serving bundle and register it in the MLflow Model Registry
+    (``models:/<name>/<version>``) with its test metrics; the AR SFT model rides along for the
+    Serve comparison route."""
+    from dgr2.registry import register_bundle
+    from dgr2.serving.bundle import save_bundle
+
+    key = _key("register", cfg, ("serve_model",), [vocab, sft, rl, report])
+
+    def build(work: Path) -> dict[str, Any]:
+        split = cfg.eval.tau_sweep_split
+        metrics = {k: float(v) for k, v in report.manifest["stats"]["tables"][split]["rl"].items()
+                   if isinstance(v, (int, float))}
+        d = cfg.diffusion
+        bundle = save_bundle(
+            work / "bundle", rl.file("model"), rl.file("tokenizer"), vocab.file("catalog"),
+            name=cfg.serve_model.name, version=rl.key, kind="diffusion",
+            decoding={"max_steps_per_block": d.max_steps_per_block, "threshold": d.confidence_threshold,
+                      "max_new_tokens": cfg.eval.max_new_tokens},  # block size: model/block_diffusion.json
+            mlflow_run_id=mlflow_run_id, metrics=metrics, ar_model_dir=sft.file("model"),
+        )
+        stats: dict[str, Any] = {"metrics": metrics}
+        if mlflow_uri and mlflow_run_id:
+            version = register_bundle(mlflow_uri, mlflow_run_id, bundle, metrics, name=cfg.serve_model.name)
+            stats.update(registered_name=cfg.serve_model.name, registered_version=int(version),
+                         model_uri=f"models:/{cfg.serve_model.name}/{version}")
+        return {"outputs": {"bundle": str(bundle.relative_to(work))}, "stats": stats}
+
+    return store.run("register", key, build)
+
+
+STAGE_FUNCTIONS = {
+    "data": run_data, "vocab": run_vocab, "traces": run_traces, "sft": run_sft, "eval": run_eval, "ar_rl": run_ar_rl,
+    "naive": run_naive, "mdm": run_mdm, "cft": run_cft, "opd": run_opd, "rl": run_rl, "report": run_report, "register": run_register,
+}
+
+
+def closure(stages: list[str]) -> list[str]:
+    """The stages to resolve for ``stages``: them plus everything they read, in pipeline order."""
+    needed: set[str] = set()
+    todo = list(stages)
+    while todo:
+        name = todo.pop()
+        if name not in STAGE_INPUTS:
+            raise KeyError(f"unknown stage {name!r}; stages are {STAGE_ORDER}")
+        if name not in needed:
+            needed.add(name)
+            todo.extend(STAGE_INPUTS[name])
+    return [s for s in STAGE_ORDER if s in needed]

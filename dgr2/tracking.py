@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import os
 import subprocess
 from collections.abc import Iterator
@@ -19,6 +20,12 @@ from dgr2.config import Config
 
 # MLflow param values are capped (6000 chars in recent versions); keep well under.
 _MAX_PARAM_LEN = 500
+_URI_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """``https://user:token@host`` -> ``https://***@host``: credentials never reach params or logs."""
+    return _URI_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}***@", text)
 
 
 def tracking_uri(cfg: Config) -> str:
@@ -53,7 +60,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
             flat.update(flatten(value, f"{name}."))
         else:
             text = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
-            flat[name] = text[:_MAX_PARAM_LEN]
+            flat[name] = redact(text)[:_MAX_PARAM_LEN]
     return flat
 
 
@@ -62,6 +69,11 @@ def setup(cfg: Config) -> str:
 
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
+    if uri.startswith("sqlite:") and mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
+        # artifacts next to the sqlite store, not in ./mlruns of whatever directory the driver
+        # runs in (under `ray job submit --working-dir` that is a temporary copy of the repo)
+        artifacts = (Path(cfg.pipeline.runs_dir).resolve() / "mlartifacts").as_uri()
+        mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
     mlflow.set_experiment(cfg.tracking.experiment)
     return uri
 

@@ -4,7 +4,10 @@
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python flows/full_pipeline.py --config tiny
 
 Stages (cached by content hash, see dgr2/pipeline.py): data -> vocab (semantic IDs + tokenizer)
--> traces (teacher + rejection sampling) -> sft (Ray Train + DeepSpeed) -> eval.
+-> traces (teacher + rejection sampling) -> sft (AR, Ray Train + DeepSpeed) -> eval (baselines +
+AR) -> naive (SFT weights as block diffusion) -> mdm (generic masked denoising) -> cft -> opd
+(Ray rollout actors + AR teacher) -> rl (GRPO) -> report (recipe table, tau sweep) -> register
+(serving bundle in the MLflow Model Registry).
 ``--stages a,b`` runs only those (their inputs come from the cache or are built);
 ``--from X`` runs X and everything after it.  One MLflow parent run per invocation, one
 nested run per stage.
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, StageOutput]:
         def stage(name: str, fn, *inputs, **kwargs) -> StageOutput:
             with tracking.stage_run(name, parent_run_id=parent.info.run_id, tags=tags) as run:
                 t0 = time.perf_counter()
-                if name in ("sft",):
+                if name in pipeline.TRACKED_STAGES:
                     kwargs.update(mlflow_uri=uri, mlflow_run_id=run.info.run_id)
                 out = fn(cfg, store, *inputs, **kwargs)
                 timings[name] = time.perf_counter() - t0
@@ -112,21 +115,11 @@ def main(argv: list[str] | None = None) -> dict[str, StageOutput]:
                 outputs[name] = out
                 return out
 
-        def need(name: str) -> bool:
-            """Stages before the selection still resolve (cached) so later ones get inputs."""
-            last = max(pipeline.STAGE_ORDER.index(s) for s in wanted)
-            return pipeline.STAGE_ORDER.index(name) <= last
-
+        # the selected stages plus what they read (resolved from the cache, or built)
         force = set(wanted) if args.force else set()
-        data = stage("data", _forced(pipeline.run_data, "data" in force))
-        if need("vocab"):
-            vocab = stage("vocab", _forced(pipeline.run_vocab, "vocab" in force), data)
-        if need("traces"):
-            traces = stage("traces", _forced(pipeline.run_traces, "traces" in force), data, vocab)
-        if need("sft"):
-            sft = stage("sft", _forced(pipeline.run_sft, "sft" in force), vocab, traces)
-        if need("eval"):
-            stage("eval", _forced(pipeline.run_eval, "eval" in force), data, vocab, sft)
+        for name in pipeline.closure(wanted):
+            inputs = [outputs[i] for i in pipeline.STAGE_INPUTS[name]]
+            stage(name, _forced(pipeline.STAGE_FUNCTIONS[name], name in force), *inputs)
         summary = {
             "run_name": run_name,
             "mlflow_run_id": parent.info.run_id,
@@ -134,10 +127,13 @@ def main(argv: list[str] | None = None) -> dict[str, StageOutput]:
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         mlflow.log_dict(summary, "summary.json")
-        if "eval" in outputs:
-            md = outputs["eval"].file("test_markdown")
+        final = "report" if "report" in outputs else "eval" if "eval" in outputs else None
+        if final:
+            md = outputs[final].file("test_markdown")
             print(md.read_text(), flush=True)
-    print(f"[pipeline] done: {run_dir}  (mlflow ui --backend-store-uri {uri})", flush=True)
+            if final == "report":
+                print(outputs[final].file("tau_markdown").read_text(), flush=True)
+    print(f"[pipeline] done: {run_dir}  (mlflow ui --backend-store-uri {tracking.redact(uri)})", flush=True)
     return outputs
 
 

@@ -31,6 +31,21 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
         assert 0.0 <= rows["ar_sft"][name] <= 1.0
     assert (first["sft"].file("model") / "model.safetensors").is_file()
     assert first["eval"].file("test_png").stat().st_size > 1000
+    # every diffusion stage leaves a block-diffusion checkpoint and an eval on both splits
+    for name in ("naive", "mdm", "cft", "opd", "rl"):
+        assert (first[name].file("model") / "block_diffusion.json").is_file()
+        assert set(first[name].manifest["stats"]["eval"]) == {"valid", "test"}
+    recipe = json.loads(first["report"].file("test_json").read_text())["rows"]
+    assert {"popularity", "ar_sft", "naive", "mdm", "cft", "opd", "rl"} <= set(recipe)
+    tau = json.loads(first["report"].file("tau_json").read_text())["rows"]
+    assert {"ar_sft", "rl_tau1", "rl_tau0.5"} <= set(tau)
+    for name in ("opd", "rl"):  # online stages: one policy version per step, all trajectories on-policy
+        history = json.loads(first[name].file("history").read_text())
+        assert [h["rollout/policy_version"] for h in history] == [float(i + 1) for i in range(len(history))]
+        assert all(h["rollout/stale_fraction"] == 0.0 for h in history)
+        assert all(h["rollout/trajectories"] > 0 for h in history)
+    register = first["register"].manifest["stats"]
+    assert register["model_uri"] == "models:/dgr2-reranker/1"
 
     second = flow.main(args + ["--run-name", "second"])
     assert all(out.cached for out in second.values())
@@ -47,3 +62,8 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
     sft_runs = [r for r in stage_runs if r.data.tags["dgr2.stage"] == "sft" and r.data.tags["dgr2.cached"] == "False"]
     history = mlflow.tracking.MlflowClient().get_metric_history(sft_runs[0].info.run_id, "train/loss")
     assert len(history) >= 2  # per-step loss logged from the rank-0 worker
+
+    from dgr2.serving.bundle import load_bundle
+
+    bundle = load_bundle("models:/dgr2-reranker/1")  # the registered final model, as Serve loads it
+    assert bundle.meta.kind == "diffusion" and bundle.meta.has_ar_model

@@ -96,3 +96,45 @@ def latest_good_checkpoint(candidates: list[Path]) -> Path:
     if not scored:
         raise CorruptCheckpointError(f"no valid checkpoint among {[str(p) for p in candidates]}")
     return max(scored)[1]
+
+
+def resume_checkpoint(offered: Path, run_dir: Path) -> tuple[Path, dict[str, Any], CorruptCheckpointError | None]:
+    """The checkpoint to resume from: ``offered`` (what Ray hands a restarted worker) when it
+    verifies, else the newest good earlier ``checkpoint_*`` folder under ``run_dir``.
+
+    Returns ``(path, trainer state, the error that refused offered or None)``.  Only folders
+    whose recorded step is below the offered one's are considered (a folder Ray never
+    registered, e.g. half-uploaded by a killed attempt, must not be jumped to).  Raises
+    :class:`CorruptCheckpointError` naming both problems when nothing verifies: silently
+    training from scratch would throw away every finished step.
+    """
+    import logging
+
+    offered, run_dir = Path(offered), Path(run_dir)
+    try:
+        return offered, verify_checkpoint(offered), None
+    except CorruptCheckpointError as exc:
+        error = exc
+    try:
+        bound = int(read_state(offered)["global_step"])
+    except (CorruptCheckpointError, KeyError, TypeError, ValueError):
+        bound = None
+    earlier = []
+    for path in sorted(run_dir.glob("checkpoint_*")):
+        if not path.is_dir() or path.resolve() == offered.resolve():
+            continue
+        try:
+            step = int(read_state(path)["global_step"])
+        except (CorruptCheckpointError, KeyError, TypeError, ValueError):
+            continue
+        if bound is None or step < bound:
+            earlier.append(path)
+    try:
+        chosen = latest_good_checkpoint(earlier)
+    except CorruptCheckpointError as none_good:
+        raise CorruptCheckpointError(f"{error}; and no earlier good checkpoint in {run_dir} ({none_good})") from error
+    state = verify_checkpoint(chosen)
+    logging.getLogger(__name__).error(
+        "corrupt checkpoint refused: %s; falling back to %s (step %s)", error, chosen, state["global_step"]
+    )
+    return chosen, state, error

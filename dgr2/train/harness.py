@@ -40,6 +40,7 @@ class StageJob:
     mlflow_uri: str | None = None
     mlflow_run_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    loop: str = "offline"  # "offline": fixed token dataset (SFT, CFT); "online": rollouts (OPD, RL)
 
     @property
     def train_cfg(self) -> TrainConfig:
@@ -122,6 +123,31 @@ def _save_checkpoint(engine, job: StageJob, tokenizer, rank: int, state: dict[st
     return root
 
 
+def resume_from_ray_checkpoint(engine, job: StageJob, rank: int) -> tuple[int, list[dict[str, Any]]]:
+    """``(start_step, history)``: 0 and [] on a fresh start, else restore the engine from the
+    checkpoint Ray offers a restarted worker.
+
+    Ray offers only its latest checkpoint; a corrupt one falls back to the newest good earlier
+    ``checkpoint_*`` of this stage's storage folder (``CorruptCheckpointError`` if none).
+    """
+    import ray.train
+
+    from dgr2.train.checkpoint import DEEPSPEED_DIR, resume_checkpoint
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0, []
+    with checkpoint.as_directory() as offered:
+        ckpt_dir, state, refused = resume_checkpoint(Path(offered), Path(job.storage_dir).resolve() / job.stage)
+        if refused is not None and rank == 0:
+            print(f"[{job.stage}] corrupt checkpoint refused ({refused}); falling back to {ckpt_dir}", flush=True)
+        engine.load_checkpoint(str(ckpt_dir / DEEPSPEED_DIR), tag="state")
+        start_step, history = state["global_step"], state.get("history", [])
+    if rank == 0:
+        print(f"[{job.stage}] resumed from step {start_step} ({ckpt_dir})", flush=True)
+    return start_step, history
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """The per-worker training loop (runs inside a Ray Train worker process)."""
     import deepspeed
@@ -131,7 +157,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     from transformers import PreTrainedTokenizerFast
 
     from dgr2.train.batches import StepSampler, TokenizedDataset, collate
-    from dgr2.train.checkpoint import DEEPSPEED_DIR, verify_checkpoint
     from dgr2.train.deepspeed_config import deepspeed_config
     from dgr2.train.losses import get_loss
 
@@ -155,15 +180,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         model=model, model_parameters=model.parameters(), config=deepspeed_config(cfg, total_steps)
     )
     device = engine.device
-    start_step, history = 0, []
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as ckpt_dir:
-            state = verify_checkpoint(Path(ckpt_dir))
-            engine.load_checkpoint(str(Path(ckpt_dir) / DEEPSPEED_DIR), tag="state")
-            start_step, history = state["global_step"], state.get("history", [])
-        if rank == 0:
-            print(f"[{job.stage}] resumed from step {start_step} ({ckpt_dir})", flush=True)
+    start_step, history = resume_from_ray_checkpoint(engine, job, rank)
 
     loss_fn = get_loss(job.loss)
     sink = _MlflowSink(job.mlflow_uri, job.mlflow_run_id) if rank == 0 else _MlflowSink(None, None)
@@ -233,13 +250,19 @@ def run_stage(job: StageJob) -> StageResult:
     cfg = job.train_cfg
     if not ray.is_initialized():
         ray.init()
+    if job.loop not in ("offline", "online"):
+        raise ValueError(f"unknown training loop {job.loop!r}; choose offline or online")
+    if job.loop == "online":
+        from dgr2.train.online import online_loop_per_worker as loop
+    else:
+        loop = train_loop_per_worker
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        loop,
         train_loop_config=asdict(job),
         scaling_config=ScalingConfig(
             num_workers=cfg.num_workers,
             use_gpu=cfg.use_gpu,
-            resources_per_worker={"CPU": 1} if not cfg.use_gpu else {"CPU": 1, "GPU": 1},
+            resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
         ),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         run_config=RunConfig(

@@ -48,3 +48,37 @@ def sft_loss(model, batch: dict[str, torch.Tensor], extra: dict[str, Any]):
     loss = torch.nn.functional.cross_entropy(logits, labels[keep])
     stats = {"tokens": float(batch["attention_mask"].sum()), "target_tokens": float(keep.sum())}
     return loss, stats
+
+
+def diffusion_batch_from_rows(batch: dict[str, torch.Tensor], pad_id: int):
+    """Right-padded ``input_ids`` + ``prompt_len`` rows -> a :class:`DiffusionBatch`
+    (prompts left padded, completions right padded, loss on every completion token)."""
+    from dgr2.models.block_diffusion import DiffusionBatch
+
+    ids, attn, plen = batch["input_ids"], batch["attention_mask"], batch["prompt_len"]
+    lengths = attn.sum(1).tolist()
+    rows = ids.tolist()
+    prompts = [row[:p] for row, p in zip(rows, plen.tolist())]
+    completions = [row[p:n] for row, p, n in zip(rows, plen.tolist(), lengths)]
+    return DiffusionBatch.collate(prompts, completions, pad_id, device=ids.device)
+
+
+@register("cft")
+def cft_loss(model, batch: dict[str, torch.Tensor], extra: dict[str, Any]):
+    """Block-diffusion masked-denoising loss on the completion (conversion fine-tuning).
+
+    ``extra`` carries ``mask_id``, ``pad_id`` and the ``diffusion`` config section; the model
+    is the AR checkpoint seen through :class:`BlockDiffusionLM` (no new parameters).
+    """
+    from dgr2.models.block_diffusion import BlockDiffusionLM
+
+    module = getattr(model, "module", model)
+    d = extra["diffusion"]
+    wrapper = BlockDiffusionLM(
+        module, mask_id=int(extra["mask_id"]), block_size=int(d["block_size"]), mask_schedule=d["mask_schedule"],
+        mask_eps=float(d["mask_eps"]), loss_weighting=d["loss_weighting"],
+    )
+    dbatch = diffusion_batch_from_rows(batch, int(extra["pad_id"]))
+    out = wrapper.diffusion_loss(dbatch)
+    stats = {"tokens": float(batch["attention_mask"].sum()), "target_tokens": float(out.masked_tokens)}
+    return out.loss, stats

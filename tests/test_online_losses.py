@@ -1,0 +1,161 @@
+"""OPD and RL objectives: divergences, exact trajectory replay, rewards, advantages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dgr2.config import ModelConfig
+from dgr2.decoding.block_diffusion import diffusion_generate
+from dgr2.eval.parse import parse_completion
+from dgr2.eval.reward import RewardConfig, completion_reward, ranking_reward
+from dgr2.models.ar import build_ar_model
+from dgr2.models.block_diffusion import BlockDiffusionLM
+from dgr2.train.divergence import teacher_log_probs, token_divergence
+from dgr2.train.online_losses import (
+    OpdSettings,
+    RlSettings,
+    group_advantages,
+    opd_loss,
+    rl_policy_loss,
+    teacher_completion_logits,
+)
+from dgr2.train.replay import ReplayBatch
+
+VOCAB, PAD, BOS, EOS, MASK = 40, 0, 2, 3, 4
+PROMPTS = [[BOS, 5, 6, 7], [BOS, 9], [BOS, 11, 12, 13, 14, 15], [BOS, 20, 21]]
+
+
+def tiny_ar(seed: int = 5):
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      max_position_embeddings=128, seed=seed, tie_word_embeddings=False)
+    model = build_ar_model(cfg, VOCAB, PAD, BOS, EOS).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def rollouts(model, block_size=4, steps=3, stop=(), max_new=12, seed=3):
+    out = diffusion_generate(model, PROMPTS, block_size=block_size, max_steps_per_block=steps, threshold=0.6,
+                             max_new_tokens=max_new, mask_id=MASK, eos_id=None, pad_id=PAD, stop_ids=stop,
+                             batch_size=2, temperature=1.0, seed=seed)
+    return out, ReplayBatch.collate(PROMPTS, out.sequences, out.unmask_steps, out.tail_tokens,
+                                    out.tail_unmask_steps, out.token_logprobs, PAD)
+
+
+# ------------------------------------------------------------------ divergences
+@pytest.mark.parametrize("kind", ["reverse_kl", "forward_kl", "jsd"])
+def test_divergence_is_zero_iff_distributions_match(kind):
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 11), torch.randn(6, 11)
+    assert torch.allclose(token_divergence(a, a.log_softmax(-1), kind), torch.zeros(6), atol=1e-6)
+    assert bool((token_divergence(a, b.log_softmax(-1), kind) > 1e-4).all())
+
+
+def test_teacher_top_k_is_a_distribution_keeping_the_top_tokens():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 20)
+    top = teacher_log_probs(logits, top_k=5)
+    assert torch.allclose(top.exp().sum(-1), torch.ones(3), atol=1e-5)
+    full = logits.log_softmax(-1)
+    idx = full.topk(5, -1).indices
+    assert torch.allclose(top.gather(-1, idx), full.gather(-1, idx))
+
+
+# ------------------------------------------------------------------ replay is exact
+@pytest.mark.parametrize("stop", [(), (7, 8, 9, 10, 11, 12)])
+def test_replay_reproduces_the_decoder_log_probs(stop):
+    """Re-scoring each recorded state with the training layout gives the log-prob the decoder
+    sampled with, token by token: the RL estimator is exact given the unmasking order."""
+    model = tiny_ar()
+    out, replay = rollouts(model, stop=stop)
+    if stop:
+        assert any(len(s) < 12 for s in out.sequences)  # some rows stopped mid-block
+    policy = BlockDiffusionLM(model, mask_id=MASK, block_size=4)
+    supervised = replay.batch.loss_mask.bool()
+    checked = 0
+    with torch.no_grad():
+        for k in range(3):
+            sel = (replay.steps == k) & supervised
+            noisy = replay.state_before(torch.full_like(replay.steps, k), MASK)
+            logits = policy.shifted_logits(replay.batch, noisy).float()
+            logits[..., MASK] = float("-inf")
+            logp = logits.log_softmax(-1).gather(-1, replay.batch.completion_ids[..., None]).squeeze(-1)
+            assert torch.allclose(logp[sel], replay.old_logprobs[sel], atol=1e-4)
+            checked += int(sel.sum())
+    assert checked == sum(len(s) for s in out.sequences)
+
+
+def test_rl_loss_is_on_policy_at_the_first_update_and_has_gradient():
+    model = tiny_ar()
+    out, replay = rollouts(model)
+    policy = BlockDiffusionLM(model.train(), mask_id=MASK, block_size=4)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    loss, stats = rl_policy_loss(policy, replay, adv, RlSettings(temperature=1.0))
+    assert stats["mean_ratio"] == pytest.approx(1.0, abs=1e-3) and stats["clip_fraction"] == 0.0
+    assert stats["policy_tokens"] == sum(len(s) for s in out.sequences)
+    loss.backward()
+    assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters())
+    zero, _ = rl_policy_loss(policy, replay, torch.zeros(4), RlSettings())
+    assert float(zero) == 0.0
+
+
+# ------------------------------------------------------------------ OPD
+def test_opd_loss_is_zero_when_student_equals_teacher_and_positive_otherwise():
+    teacher = tiny_ar(seed=5)
+    # block size 1: the diffusion view of the same weights is exactly the AR model
+    out, replay = rollouts(teacher, block_size=1, steps=1)
+    same = BlockDiffusionLM(tiny_ar(seed=5), mask_id=MASK, block_size=1)
+    for kind in ("reverse_kl", "forward_kl", "jsd"):
+        loss, stats = opd_loss(same, teacher, replay, OpdSettings(divergence=kind))
+        assert float(loss) == pytest.approx(0.0, abs=1e-5) and stats["teacher_agreement"] == 1.0
+        other = BlockDiffusionLM(tiny_ar(seed=9), mask_id=MASK, block_size=1)
+        assert float(opd_loss(other, teacher, replay, OpdSettings(divergence=kind))[0]) > 1e-3
+    # a real block size: same weights still disagree inside a block (the conversion gap)
+    out, replay = rollouts(teacher, block_size=4, steps=3)
+    student = BlockDiffusionLM(tiny_ar(seed=5), mask_id=MASK, block_size=4)
+    assert float(opd_loss(student, teacher, replay, OpdSettings())[0]) > 1e-3
+
+
+def test_teacher_logits_match_plain_ar_forward():
+    teacher = tiny_ar()
+    out, replay = rollouts(teacher)
+    got = teacher_completion_logits(teacher, replay.batch)
+    for i, (p, c) in enumerate(zip(PROMPTS, out.sequences)):
+        ids = torch.tensor([p + c])
+        ref = teacher(input_ids=ids).logits[0, len(p) - 1 : len(p) + len(c) - 1]
+        assert torch.allclose(got[i, : len(c)], ref, atol=1e-4)
+
+
+# ------------------------------------------------------------------ reward and advantages
+def _answer(labels: list[int]) -> str:
+    return "<think> x </think> <answer> " + " ".join(f"c{i + 1}" for i in labels) + " </answer> </s>"
+
+
+def test_reward_on_hand_made_rankings():
+    cfg = RewardConfig(invalid_reward=-1.0, echo_alpha=0.2)
+    k = 10
+    assert completion_reward(_answer([3, 0, 1, 2, 4, 5, 6, 7, 8, 9]), k, 3, cfg).reward == pytest.approx(1.2)
+    assert completion_reward(_answer(list(range(10))), k, 0, cfg).reward == pytest.approx(1.0)  # echo: no bonus
+    echo = completion_reward(_answer(list(range(10))), k, 4, cfg)
+    assert echo.echoed and echo.reward == pytest.approx(1 / math.log2(6))
+    last = completion_reward(_answer([1, 2, 3, 4, 5, 6, 7, 8, 9, 0]), k, 0, cfg)
+    assert last.reward == pytest.approx(1 / math.log2(11) + 0.2)
+    assert completion_reward(_answer([0, 0, 1, 2, 3, 4, 5, 6, 7, 8]), k, 0, cfg).reward == -1.0  # duplicate
+    assert completion_reward(_answer([0, 1, 2, 3, 4, 5, 6, 7, 8]), k, 0, cfg).reward == -1.0  # missing
+    assert completion_reward(_answer([0, 1, 2, 3, 4, 5, 6, 7, 8, 10]), k, 0, cfg).reward == -1.0  # out of set
+    assert completion_reward("c1 c2 c3", k, 0, cfg).reward == -1.0  # no answer block
+    with pytest.raises(ValueError):
+        ranking_reward(parse_completion(_answer(list(range(10))), k), 10, cfg)
+    with pytest.raises(ValueError):
+        RewardConfig(invalid_reward=0.5)
+
+
+def test_group_advantages_normalise_within_groups():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    adv = group_advantages(rewards, groups)
+    assert torch.allclose(adv[:4], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-4)
+    assert torch.equal(adv[4:], torch.zeros(2))  # constant group: no signal
