@@ -111,7 +111,9 @@ def parse_tokens(tokens: Sequence[str], num_candidates: int) -> ParsedRanking:
         if token == MASK:
             mask_left = True
             continue
-        index = label_index(token)
+        # Non-ASCII look-alikes ("c²", "c١") are out of set; label_index would raise on "c²"
+        # ("²".isdigit() but int("²") fails), and a model's output must never crash the parser.
+        index = label_index(token) if token.isascii() else None
         if index is None or index >= num_candidates:
             out_of_set += 1
         else:

@@ -1,0 +1,1 @@
+"""Test-only helpers (fault injection); never imported by the pipeline."""
