@@ -69,12 +69,25 @@ def setup(cfg: Config) -> str:
 
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
-    if uri.startswith("sqlite:") and mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
-        # artifacts next to the sqlite store, not in ./mlruns of whatever directory the driver
-        # runs in (under `ray job submit --working-dir` that is a temporary copy of the repo)
-        artifacts = (Path(cfg.pipeline.runs_dir).resolve() / "mlartifacts").as_uri()
-        mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
-    mlflow.set_experiment(cfg.tracking.experiment)
+    if not uri.startswith("sqlite:"):
+        mlflow.set_experiment(cfg.tracking.experiment)
+        return uri
+    # Two flows creating a fresh sqlite store at once race in MLflow's schema migration
+    # (measured: one crashed 5 times out of 5), so store creation is serialised by a file lock.
+    import fcntl
+
+    runs_dir = Path(cfg.pipeline.runs_dir).resolve()
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    with open(runs_dir / "mlflow.db.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
+                # artifacts next to the sqlite store, not in ./mlruns of whatever directory the
+                # driver runs in (under `ray job submit --working-dir`, a temporary copy)
+                mlflow.create_experiment(cfg.tracking.experiment, artifact_location=(runs_dir / "mlartifacts").as_uri())
+            mlflow.set_experiment(cfg.tracking.experiment)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     return uri
 
 
