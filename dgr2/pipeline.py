@@ -348,6 +348,21 @@ def _prompt_rows(cfg: Config, data: StageOutput, vocab: StageOutput, tokenizer_d
              "target_index": ex["target_index"]} for ex, p in zip(examples, ids)]
 
 
+def _cft_loss_stage(
+    stage: str, cfg: Config, train_cfg, work: Path, data: StageOutput, vocab: StageOutput, sft: StageOutput,
+    data_path: Path, mlflow_uri: str | None, mlflow_run_id: str | None,
+) -> dict[str, Any]:
+    """Train the SFT model with the block-diffusion ("cft") loss on ``data_path``, then evaluate it
+    as a diffusion model: the body shared by the generic-MDM baseline and CFT."""
+    tokenizer_dir = sft.file("tokenizer")
+    stats = _train_stage(stage, cfg, train_cfg, work, loss="cft", data_path=data_path, init=sft,
+                         tokenizer_dir=tokenizer_dir, extra=_diffusion_extra(cfg, tokenizer_dir), loop="offline",
+                         mlflow_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
+    evals = evaluate_model(cfg, data, vocab, work / "model", work / "tokenizer", "diffusion", stage, work)
+    return {"outputs": {"model": "model", "tokenizer": "tokenizer", "history": "history.json", **_eval_outputs(evals, stage)},
+            "stats": {**stats, "eval": evals}}
+
+
 def run_mdm(
     cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput,
     mlflow_uri: str | None = None, mlflow_run_id: str | None = None, **_,
@@ -367,13 +382,10 @@ def run_mdm(
                           "prompt_len": pa.array([1] * len(rows), type=pa.int32())})  # "<s>" is the prompt
         write_tokenized(table, work / "generic_tokens.parquet")
         train_cfg = cfg.cft.model_copy(update={"max_steps": cfg.cft.generic_steps})
-        stats = _train_stage("mdm", cfg, train_cfg, work, loss="cft", data_path=work / "generic_tokens.parquet",
-                             init=sft, tokenizer_dir=tokenizer_dir, extra=_diffusion_extra(cfg, tokenizer_dir),
-                             loop="offline", mlflow_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
+        manifest = _cft_loss_stage("mdm", cfg, train_cfg, work, data, vocab, sft, work / "generic_tokens.parquet",
+                                   mlflow_uri, mlflow_run_id)
         (work / "generic_tokens.parquet").unlink()
-        evals = evaluate_model(cfg, data, vocab, work / "model", work / "tokenizer", "diffusion", "mdm", work)
-        return {"outputs": {"model": "model", "tokenizer": "tokenizer", "history": "history.json", **_eval_outputs(evals, "mdm")},
-                "stats": {**stats, "eval": evals}}
+        return manifest
 
     return store.run("mdm", key, build)
 
@@ -386,13 +398,7 @@ def run_cft(
     key = _key("cft", cfg, ("model", "cft", "diffusion", "eval"), [data, vocab, traces, sft])
 
     def build(work: Path) -> dict[str, Any]:
-        tokenizer_dir = sft.file("tokenizer")
-        stats = _train_stage("cft", cfg, cfg.cft, work, loss="cft", data_path=traces.file("tokens"), init=sft,
-                             tokenizer_dir=tokenizer_dir, extra=_diffusion_extra(cfg, tokenizer_dir), loop="offline",
-                             mlflow_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
-        evals = evaluate_model(cfg, data, vocab, work / "model", work / "tokenizer", "diffusion", "cft", work)
-        return {"outputs": {"model": "model", "tokenizer": "tokenizer", "history": "history.json", **_eval_outputs(evals, "cft")},
-                "stats": {**stats, "eval": evals}}
+        return _cft_loss_stage("cft", cfg, cfg.cft, work, data, vocab, sft, traces.file("tokens"), mlflow_uri, mlflow_run_id)
 
     return store.run("cft", key, build)
 

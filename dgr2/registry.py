@@ -75,18 +75,11 @@ mlflow.models.set_model(BundleModel())
 
 
 # --------------------------------------------------------------------------- helpers
-def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """Nested metrics -> ``{"a/b/c": float}`` (non-numbers and NaN are dropped)."""
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{name}/"))
-        elif isinstance(value, bool):
-            out[name] = float(value)
-        elif isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
-            out[name] = float(value)
-    return out
+def _flatten(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Nested metrics -> ``{"a/b/c": float}`` (the pipeline's own flattening; NaN dropped)."""
+    from dgr2.tracking import flatten_numeric
+
+    return {k: v for k, v in flatten_numeric(dict(metrics)).items() if not math.isnan(v)}
 
 
 def _tag_key(name: str) -> str:

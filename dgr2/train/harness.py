@@ -123,6 +123,20 @@ def _save_checkpoint(engine, job: StageJob, tokenizer, rank: int, state: dict[st
     return root
 
 
+def worker_setup(cfg: TrainConfig) -> tuple[int, int]:
+    """``(rank, world)`` of this Ray Train worker; seeds torch per rank and, on CPU, splits the
+    node's cores between its local workers (oversubscribed threads spin and crawl)."""
+    import ray.train
+    import torch
+
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(cfg.seed + rank)
+    if not cfg.use_gpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, context.get_local_world_size())))
+    return rank, world
+
+
 def resume_from_ray_checkpoint(engine, job: StageJob, rank: int) -> tuple[int, list[dict[str, Any]]]:
     """``(start_step, history)``: 0 and [] on a fresh start, else restore the engine from the
     checkpoint Ray offers a restarted worker.
@@ -162,11 +176,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     job = StageJob(**config)
     cfg = job.train_cfg
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    torch.manual_seed(cfg.seed + rank)
-    if not cfg.use_gpu:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, context.get_local_world_size())))
+    rank, world = worker_setup(cfg)
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(job.tokenizer_dir)
     dataset = TokenizedDataset.read(Path(job.data_path))

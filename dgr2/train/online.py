@@ -20,7 +20,6 @@ Checkpoints, resume and MLflow logging follow :mod:`dgr2.train.harness`.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from typing import Any
@@ -70,7 +69,7 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
     from dgr2.models.block_diffusion import BlockDiffusionLM
     from dgr2.rollout import PolicySpec, RolloutPool, WeightSyncTimeout
     from dgr2.train.deepspeed_config import deepspeed_config
-    from dgr2.train.harness import StageJob, _build_model, _MlflowSink, _save_checkpoint, resume_from_ray_checkpoint
+    from dgr2.train.harness import StageJob, _build_model, _MlflowSink, _save_checkpoint, resume_from_ray_checkpoint, worker_setup
     from dgr2.train.online_losses import OpdSettings, RlSettings, opd_loss, rl_policy_loss
     from dgr2.train.replay import ReplayBatch
 
@@ -80,11 +79,7 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
     kind = extra["kind"]
     if kind not in ("opd", "rl"):
         raise ValueError(f"online stage kind must be opd or rl, got {kind!r}")
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    torch.manual_seed(cfg.seed + rank)
-    if not cfg.use_gpu:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, context.get_local_world_size())))
+    rank, world = worker_setup(cfg)
 
     import pyarrow.parquet as pq
 
