@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
     from ray import serve
 
-    from serve.app import RerankerService, parse_args as app_args
+    from serve.app import app_graph, parse_args as app_args
 
     apps = [a for a in APPS if servable(bundle, a[2])]
     skipped = sorted({a[2] for a in APPS} - {a[2] for a in apps})
@@ -255,11 +255,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "batch_wait_timeout_s": args.batch_wait, "torch_threads": args.torch_threads, "device": args.device,
                 "max_ongoing_requests": max(2 * args.batch_size, max(args.concurrency)),
             })
-            dep = RerankerService.options(
-                max_ongoing_requests=settings.effective_max_ongoing_requests,
-                ray_actor_options={"num_cpus": args.replica_cpus},
-            )
-            serve.run(dep.bind(settings.model_dump(mode="json")), name=label, route_prefix=route)
+            serve.run(app_graph(settings, model_actor_options={"num_cpus": args.replica_cpus}),
+                      name=label, route_prefix=route)
             print(f"deployed {label} at {base}{route}")
         total = sum(args.requests for _ in args.concurrency) + args.warmup
         bodies = request_bodies(items, sequences, total, args)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import os
+import re
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,62 @@ def setup(cfg: Config) -> str:
     return uri
 
 
+def driver_tags() -> dict[str, str]:
+    """Who owns a run: host, pid and the process's start time (pids are reused; the pair is not).
+
+    Written on every run a flow opens, so a later flow on the same host can tell a run whose
+    driver was SIGKILLed (status still RUNNING, owner gone) from one that is still going.
+    """
+    import psutil
+
+    me = psutil.Process()
+    return {
+        "dgr2.driver_host": socket.gethostname(),
+        "dgr2.driver_pid": str(me.pid),
+        "dgr2.driver_started": f"{me.create_time():.3f}",
+    }
+
+
+def _owner_alive(tags: dict[str, str]) -> bool:
+    import psutil
+
+    try:
+        proc = psutil.Process(int(tags["dgr2.driver_pid"]))
+        return abs(proc.create_time() - float(tags["dgr2.driver_started"])) < 1e-2
+    except (KeyError, ValueError, psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def close_orphaned_runs(experiment: str, closed_by: str) -> list[str]:
+    """Mark KILLED every RUNNING run of the active experiment whose driver on this host is dead.
+
+    Why: a SIGKILLed driver cannot end its MLflow runs, so they would stay RUNNING for ever
+    and ``mlflow ui`` / ``compare_runs`` could not tell a crash from a live run.  A run owned
+    by another host is left alone (its driver cannot be checked from here); a run whose driver
+    still lives (a concurrent flow) is left alone.  Returns the run ids it closed.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    host = socket.gethostname()
+    closed: list[str] = []
+    runs = client.search_runs(
+        [found.experiment_id],
+        filter_string=f"attributes.status = 'RUNNING' and tags.`dgr2.driver_host` = '{host}'",
+        max_results=1000,
+    )
+    for run in runs:
+        if _owner_alive(run.data.tags):
+            continue
+        client.set_tag(run.info.run_id, "dgr2.closed_by", closed_by)
+        client.set_terminated(run.info.run_id, status="KILLED")
+        closed.append(run.info.run_id)
+    return closed
+
+
 @contextlib.contextmanager
 def stage_run(
     stage: str, *, parent_run_id: str | None, tags: dict[str, str] | None = None,
@@ -99,7 +156,7 @@ def stage_run(
     """A nested MLflow run for one stage (the caller logs metrics/artifacts inside)."""
     import mlflow
 
-    all_tags = {"dgr2.stage": stage, "git_commit": git_commit(), **(tags or {})}
+    all_tags = {"dgr2.stage": stage, "git_commit": git_commit(), **driver_tags(), **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     with mlflow.start_run(run_name=run_name or stage, nested=parent_run_id is not None, tags=all_tags) as run:

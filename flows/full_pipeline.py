@@ -16,8 +16,10 @@ nested run per stage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
 import time
 import uuid
@@ -92,12 +94,16 @@ def main(argv: list[str] | None = None) -> dict[str, StageOutput]:
     import ray
 
     uri = tracking.setup(cfg)
+    orphans = tracking.close_orphaned_runs(cfg.tracking.experiment, closed_by=run_name)
+    if orphans:
+        print(f"[pipeline] marked {len(orphans)} MLflow runs of a killed driver as KILLED", flush=True)
     if not ray.is_initialized():
         ray.init()  # joins RAY_ADDRESS (set by `ray job submit`) or starts a local cluster
     outputs: dict[str, StageOutput] = {}
     timings: dict[str, float] = {}
     tags = {"dgr2.profile": cfg.profile, "git_commit": tracking.git_commit(), "dgr2.run_dir": str(run_dir)}
-    with mlflow.start_run(run_name=run_name, tags={**tags, "dgr2.kind": "pipeline"}) as parent:
+    parent_tags = {**tags, **tracking.driver_tags(), "dgr2.kind": "pipeline"}
+    with _terminate_as_exception(), mlflow.start_run(run_name=run_name, tags=parent_tags) as parent:
         mlflow.log_params(tracking.flatten(cfg.model_dump(mode="json")))
         mlflow.log_artifact(str(run_dir / "config.yaml"))
 
@@ -135,6 +141,25 @@ def main(argv: list[str] | None = None) -> dict[str, StageOutput]:
                 print(outputs[final].file("tau_markdown").read_text(), flush=True)
     print(f"[pipeline] done: {run_dir}  (mlflow ui --backend-store-uri {tracking.redact(uri)})", flush=True)
     return outputs
+
+
+@contextlib.contextmanager
+def _terminate_as_exception():
+    """SIGTERM (``ray job stop``, a pod eviction) unwinds like Ctrl-C, so the ``with`` blocks end
+    the MLflow runs as FAILED instead of leaving them RUNNING; SIGKILL cannot be caught
+    and is cleaned up by the next flow (``tracking.close_orphaned_runs``)."""
+    def _raise(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise)
+    except ValueError:  # not the main thread (embedded use): leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _forced(fn, force: bool):

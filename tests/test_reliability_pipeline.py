@@ -268,10 +268,12 @@ def test_driver_killed_mid_sft_resumes_from_its_checkpoint(flow_root):
           f"{t_kill - first.t_start:.0f}s after start; last logged step {max(logged, default=0)}, "
           f"latest registered checkpoint: step {ckpt_step}", flush=True)
 
-    # the killed run's MLflow runs are left as they were (never ended)
+    # SIGKILL: the killed flow could not end its MLflow runs; they are still RUNNING
     killed_runs = {r.info.run_name: r.info.status for r in _mlflow_runs(root / "runs")
                    if r.data.tags.get("dgr2.run_dir", "").endswith("/killed")}
     print(f"[driver-kill] MLflow runs of the killed flow: {killed_runs}", flush=True)
+    left_running = {name for name, status in killed_runs.items() if status == "RUNNING"}
+    assert left_running == {"killed", "sft"}, killed_runs  # the parent run and the stage in progress
 
     second = make("rerun", "sft", SFT_SETS).start()
     rc = second.wait()
@@ -302,6 +304,14 @@ def test_driver_killed_mid_sft_resumes_from_its_checkpoint(flow_root):
     assert {r.data.tags["dgr2.stage"]: r.data.tags["dgr2.cached"] for r in kids} == {
         "data": "True", "vocab": "True", "traces": "True", "sft": "False"}
     assert all(r.info.status == "FINISHED" for r in kids + [parent])
+    # ... and the rerun closed the killed flow's runs (their driver is gone) as KILLED
+    after = {r.info.run_name: (r.info.status, r.data.tags.get("dgr2.closed_by")) for r in runs
+             if r.data.tags.get("dgr2.run_dir", "").endswith("/killed")}
+    assert set(after) == set(killed_runs), after
+    assert {name: status for name, (status, _) in after.items() if name in left_running} == dict.fromkeys(left_running, "KILLED")
+    assert all(after[name] == ("KILLED", "rerun") for name in left_running), after
+    assert all(after[name] == ("FINISHED", None) for name in set(after) - left_running), after
+    assert "marked" in second.text and "MLflow runs of a killed driver as KILLED" in second.text
 
     t_resumed = resumed[0] - t_kill
     t_sft_line = second.first(r"\[pipeline\] stage sft: built")
@@ -435,3 +445,35 @@ def test_two_flows_creating_a_fresh_mlflow_store_at_once(tmp_path):
     outs = [p.communicate(timeout=180)[0] for p in procs]
     print("\n[mlflow-race] exit codes", [p.returncode for p in procs], flush=True)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-1500:] for o in outs)
+
+
+# --------------------------------------------------------------------------- 4. orphaned runs
+def test_runs_of_a_dead_driver_are_closed_and_live_ones_kept(tmp_path, monkeypatch):
+    """close_orphaned_runs ends RUNNING runs whose driver (host, pid, start time) is gone, and
+    only those: a live driver's run, another host's run and a finished run are left alone."""
+    import mlflow
+
+    from dgr2 import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_experiment("orphans")
+    client = mlflow.tracking.MlflowClient()
+    exp = client.get_experiment_by_name("orphans").experiment_id
+    me = tracking.driver_tags()
+    dead = {**me, "dgr2.driver_pid": str(2**22 + 12345)}  # beyond pid_max's default: never alive
+    reused_pid = {**me, "dgr2.driver_started": "12.000"}  # our pid, another process's start time
+    other_host = {**dead, "dgr2.driver_host": me["dgr2.driver_host"] + "-elsewhere"}
+    runs = {name: client.create_run(exp, run_name=name, tags=tags).info.run_id for name, tags in
+            {"dead": dead, "reused_pid": reused_pid, "other_host": other_host, "live": me,
+             "finished_dead": dead}.items()}
+    client.set_terminated(runs["finished_dead"], status="FINISHED")
+
+    closed = tracking.close_orphaned_runs("orphans", closed_by="test")
+    assert sorted(closed) == sorted([runs["dead"], runs["reused_pid"]])
+    status = {name: client.get_run(rid).info.status for name, rid in runs.items()}
+    assert status == {"dead": "KILLED", "reused_pid": "KILLED", "other_host": "RUNNING", "live": "RUNNING",
+                      "finished_dead": "FINISHED"}
+    assert client.get_run(runs["dead"]).data.tags["dgr2.closed_by"] == "test"
+    assert tracking.close_orphaned_runs("orphans", closed_by="again") == []  # idempotent
+    assert tracking.close_orphaned_runs("no-such-experiment", closed_by="x") == []

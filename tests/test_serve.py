@@ -268,22 +268,17 @@ def served(ray_session, bundle_dir):
     """Two apps on one local Serve: diffusion at / (no auth), AR at /secure (bearer token)."""
     from ray import serve
 
-    from serve.app import RerankerService, parse_args
+    from serve.app import app_graph, parse_args
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    common = {"bundle": str(bundle_dir), "torch_threads": 1, "max_candidates": 20, "max_history": 10, "max_body_bytes": 4096}
+    common = {"bundle": str(bundle_dir), "torch_threads": 1, "max_candidates": 20, "max_history": 10,
+              "max_body_bytes": 4096, "num_cpus": 0}
     main = parse_args({**common, "max_batch_size": 16, "batch_wait_timeout_s": 0.5})
     secure = parse_args({**common, "model": "ar", "max_batch_size": 4})
+    serve.run(app_graph(main), name="main", route_prefix="/")
     serve.run(
-        RerankerService.options(max_ongoing_requests=32, ray_actor_options={"num_cpus": 0}).bind(main.model_dump()),
-        name="main", route_prefix="/",
-    )
-    serve.run(
-        RerankerService.options(
-            max_ongoing_requests=8,
-            ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"DGR2_SERVE_TOKEN": TOKEN}}},
-        ).bind(secure.model_dump()),
+        app_graph(secure, ingress_actor_options={"runtime_env": {"env_vars": {"DGR2_SERVE_TOKEN": TOKEN}}}),
         name="secure", route_prefix="/secure",
     )
     yield f"http://127.0.0.1:{port}"

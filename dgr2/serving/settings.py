@@ -24,6 +24,11 @@ Limits and the rules behind them:
   set and non-empty *in the replica's environment*, every ``/v1/*`` route needs
   ``Authorization: Bearer <token>`` (401 otherwise; compared in constant time, never logged).
   Unset: no auth (loopback development).  ``/healthz`` stays open for load balancers.
+  The token is checked by the ingress deployment, so it is the ingress's environment that
+  counts.
+* A model replica that dies with requests in flight: the ingress re-sends each of them to a
+  live replica (``retry_attempts``, default 2, with ``retry_backoff_s`` between), and answers
+  ``503 replica_unavailable`` with ``Retry-After: 1`` only when every attempt failed.
 """
 
 from __future__ import annotations
@@ -78,6 +83,10 @@ class ServeSettings(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int | None = Field(None, ge=1, le=256)
     auth_token_env: str = Field(DEFAULT_TOKEN_ENV, min_length=1)
+    # ---- model replica lost mid-request: the ingress re-sends it (re-ranking has no side
+    # effects) up to retry_attempts times, then answers 503 replica_unavailable + Retry-After
+    retry_attempts: int = Field(2, ge=0, le=10)
+    retry_backoff_s: float = Field(0.2, ge=0.0, le=10.0)
     # ---- deployment options applied by the app builder (a Serve config file's
     # ``deployments:`` entries override them)
     num_replicas: int | None = Field(None, ge=1)
