@@ -28,3 +28,21 @@ def beauty_dir() -> Path:
     if not (DEFAULT_DATA_DIR / "user_sequence.txt").is_file():
         pytest.skip(f"Amazon Beauty data not found at {DEFAULT_DATA_DIR}")
     return DEFAULT_DATA_DIR
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(request, tmp_path_factory, beauty_dir) -> Path:
+    """A random-init serving bundle on the real catalog; decodes capped at the module's MAX_NEW
+    (a random model never stops on its own)."""
+    from dgr2.serving.random_bundle import build_random_bundle
+
+    max_new = request.module.MAX_NEW
+    return build_random_bundle(tmp_path_factory.mktemp("bundle") / "b", beauty_dir, max_new_tokens=max_new)
+
+
+@pytest.fixture(scope="module")
+def items(bundle_dir) -> list[str]:
+    """400 real item ids of the bundle's catalog (requests built from them are all known)."""
+    from dgr2.tokenizer.catalog import ItemCatalog
+
+    return sorted(ItemCatalog.load(bundle_dir / "catalog.json").sids.codes)[:400]

@@ -48,18 +48,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 # --------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def bundle_dir(tmp_path_factory, beauty_dir) -> Path:
-    from dgr2.serving.random_bundle import build_random_bundle
-
-    return build_random_bundle(tmp_path_factory.mktemp("bundle") / "b", beauty_dir, max_new_tokens=MAX_NEW)
-
-
-@pytest.fixture(scope="module")
-def items(bundle_dir) -> list[str]:
-    from dgr2.tokenizer.catalog import ItemCatalog
-
-    return sorted(ItemCatalog.load(bundle_dir / "catalog.json").sids.codes)[:400]
+# bundle_dir, items: tests/conftest.py (sized by MAX_NEW above)
 
 
 def _free_port() -> int:

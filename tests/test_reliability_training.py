@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
+from dgr2.testing.word_tokenizer import word_tokenizer
 from dgr2.config import ModelConfig, TrainConfig
 from dgr2.testing.faults import FaultPlan, read_records
 from dgr2.train.batches import StepSampler, tokenize_pairs, write_tokenized
@@ -42,21 +41,9 @@ LOSS_RTOL, WEIGHT_ATOL = 1e-3, 1e-4
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-def _tokenizer(tmp: Path) -> PreTrainedTokenizerFast:
-    words = ["<pad>", "<unk>", "<s>", "</s>", "<mask>"] + [f"w{i}" for i in range(12)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
-        eos_token="</s>", mask_token="<mask>",
-    )
-    hf.save_pretrained(tmp)
-    return hf
-
-
 def _dataset(root: Path) -> list[tuple[int, ...]]:
     """Copy task with N_ROWS distinct rows; returns the token rows in dataset order."""
-    tok = _tokenizer(root / "tok")
+    tok = word_tokenizer(root / "tok")
     rng = random.Random(0)
     seqs: list[tuple[str, ...]] = []
     while len(seqs) < N_ROWS:

@@ -7,24 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
+from dgr2.testing.word_tokenizer import word_tokenizer
 from dgr2.config import ModelConfig, TrainConfig
 from dgr2.train.batches import StepSampler, TokenizedDataset, collate, tokenize_pairs, write_tokenized
 from dgr2.train.checkpoint import CorruptCheckpointError, latest_good_checkpoint, verify_checkpoint, write_state
-
-
-def _tokenizer(tmp: Path) -> PreTrainedTokenizerFast:
-    words = ["<pad>", "<unk>", "<s>", "</s>", "<mask>"] + [f"w{i}" for i in range(12)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
-        eos_token="</s>", mask_token="<mask>",
-    )
-    hf.save_pretrained(tmp)
-    return hf
 
 
 def test_sampler_covers_each_epoch_once_and_is_resumable():
@@ -49,7 +36,7 @@ def test_sampler_refuses_dataset_smaller_than_a_batch():
 
 
 def test_collate_masks_prompt_and_padding(tmp_path):
-    tok = _tokenizer(tmp_path / "tok")
+    tok = word_tokenizer(tmp_path / "tok")
     table = tokenize_pairs(["<s> w1 w2", "<s> w3"], ["w4 </s>", "w5 w6 w7 </s>"], tok, 16)
     write_tokenized(table, tmp_path / "d.parquet")
     data = TokenizedDataset.read(tmp_path / "d.parquet")
@@ -78,7 +65,7 @@ def test_corrupt_checkpoint_is_detected_and_skipped(tmp_path):
 def test_two_worker_deepspeed_training_reduces_loss(tmp_path, ray_session):
     from dgr2.train.harness import StageJob, run_stage
 
-    tok = _tokenizer(tmp_path / "tok")
+    tok = word_tokenizer(tmp_path / "tok")
     rng = random.Random(0)
     prompts, completions = [], []
     for _ in range(192):
@@ -113,7 +100,7 @@ def test_cft_block_diffusion_loss_trains_under_the_same_harness(tmp_path, ray_se
     from dgr2.config import DiffusionConfig
     from dgr2.train.harness import StageJob, run_stage
 
-    tok = _tokenizer(tmp_path / "tok")
+    tok = word_tokenizer(tmp_path / "tok")
     rng = random.Random(1)
     prompts, completions = [], []
     for _ in range(160):
