@@ -62,6 +62,9 @@ class TraceConfig(_Strict):
     accept_top_k: int = Field(3, ge=1)
     samples_per_example: int = Field(4, ge=1, le=64)
     weight_noise: float = Field(0.5, ge=0.0)
+    # rule teacher: evidence counts are capped here; 1 makes them presence flags, which a
+    # small student copies reliably (see dgr2.traces.evidence)
+    max_count: int = Field(9, ge=1, le=9)
     seed: int = 0
 
 

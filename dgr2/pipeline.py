@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Bump a stage's version when its code changes what it writes (invalidates its cache).
 STAGE_VERSIONS = {
-    "data": "1", "vocab": "2", "traces": "2", "sft": "1", "eval": "2",
+    "data": "1", "vocab": "3", "traces": "3", "sft": "1", "eval": "2",
     "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "2", "register": "1", "ar_rl": "1",
 }
 # Each stage and the stages whose outputs it reads (the flow resolves these first).

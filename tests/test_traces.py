@@ -108,25 +108,19 @@ def test_completion_follows_the_grammar(world, teacher) -> None:
         assert 100 <= len(trace.think_tokens) <= 200  # ~130 tokens of evidence + ~45 of sort (10 candidates)
 
 
-def test_trace_states_recent_item_and_topics(world, teacher) -> None:
-    from collections import Counter
-
+def test_trace_states_the_recent_item_first(world, teacher) -> None:
     catalog, examples = world
     codes = catalog.sids.codes
     for example in examples[:20]:
         think = teacher.rank(RerankRequest.from_example(example)).think_tokens
         last = codes[example["history"][-1]]
-        assert think[:5] == ["recent", last[0], last[1], ";", "topic"]
-        topics = Counter(codes[h][0] for h in example["history"])
-        ranked = sorted(topics.items(), key=lambda kv: (-kv[1], int(kv[0][3:-1])))[:2]
-        expected = [w for token, count in ranked for w in (token, str(min(9, count)))]
-        assert think[5:5 + len(expected)] == expected and think[5 + len(expected)] == ";"
+        assert think[:5] == ["recent", last[0], last[1], ";", fmt.candidate_label(0)]
 
 
 def test_empty_history_and_short_sids(world, teacher) -> None:
     catalog, examples = world
     trace = teacher.rank(RerankRequest([], examples[0]["candidates"]))
-    assert trace.think_tokens[:6] == ["recent", "none", ";", "topic", "none", ";"]
+    assert trace.think_tokens[:4] == ["recent", "none", ";", fmt.candidate_label(0)]
     flat = ItemCatalog(build_semantic_ids({"x": ["k"], "y": ["k"]}, levels=1), {"x": 0, "y": 1})
     with pytest.raises(ValueError, match="two keyword levels"):
         RuleTeacher(flat, teacher.model, teacher.score_edges).rank(RerankRequest(["x"], ["y"]))
@@ -153,8 +147,8 @@ def test_displayed_evidence_matches_history(world, teacher) -> None:
         hist_a = sum(codes[h][0] == codes[item][0] for h in example["history"])
         hist_ab = sum(codes[h][:2] == codes[item][:2] for h in example["history"])
         crowd = sum(codes[c][0] == codes[item][0] for c in example["candidates"]) - 1
-        assert think[at + 1:at + 9] == [
-            "a", str(min(9, hist_a)), "b", str(min(9, hist_ab)), "crowd", str(min(9, crowd)),
+        assert think[at + 1:at + 10] == [
+            codes[item][0], "a", str(min(9, hist_a)), "b", str(min(9, hist_ab)), "crowd", str(min(9, crowd)),
             "pop", str(catalog.pop_bucket[item]),
         ]
 
@@ -384,3 +378,23 @@ def test_trace_writes_the_sort_out_before_the_answer(world, teacher) -> None:
         listing = think[o + 1 :]
         assert [w for w in listing if w.isdigit()] == [str(d) for d in range(9, -1, -1)]
         assert [fmt.label_index(w) for w in listing if not w.isdigit()] == trace.ranking
+
+
+def test_max_count_one_turns_counts_into_presence_flags(world, tmp_path) -> None:
+    catalog, examples = world
+    flags = RuleTeacher.fit(catalog, examples[:300], weight_noise=0.5, max_count=1)
+    counts = RuleTeacher.fit(catalog, examples[:300], weight_noise=0.5)
+    seen_count_above_one = False
+    for example in examples[:50]:
+        request = RerankRequest.from_example(example)
+        for flag, count in zip(flags.evidence(request).candidates, counts.evidence(request).candidates):
+            assert (flag.hist_a, flag.hist_ab, flag.crowd) == (
+                min(1, count.hist_a), min(1, count.hist_ab), min(1, count.crowd)
+            )
+            seen_count_above_one |= max(count.hist_a, count.crowd) > 1
+    assert seen_count_above_one  # the comparison above is not vacuous
+    loaded = RuleTeacher.load(flags.save(tmp_path / "t.json"), catalog)
+    assert loaded.max_count == 1
+    assert loaded.rank(RerankRequest.from_example(examples[0])) == flags.rank(RerankRequest.from_example(examples[0]))
+    with pytest.raises(ValueError, match="max_count"):
+        RuleTeacher.fit(catalog, examples[:50], max_count=0)

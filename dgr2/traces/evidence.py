@@ -6,7 +6,11 @@ The target is never an input, so a trace can be written identically at training 
 serving time, and a student model that reads the prompt can in principle reproduce the
 trace exactly.
 
-Counts are capped at 9 so each one is a single digit token in the trace grammar.
+Counts are capped (at most 9, so each one is a single digit token in the trace grammar).
+A cap of 1 turns them into presence flags: a small student learns "does any history item
+share this code" far more reliably than "how many do" (measured on the default profile, a
+4-layer student wrote the wrong count for 82% of candidates whose true count was >= 1),
+and the teacher loses little (test NDCG@10 0.671 with counts up to 9, 0.662 with flags).
 """
 
 from __future__ import annotations
@@ -18,11 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dgr2.tokenizer.catalog import ItemCatalog
-from dgr2.tokenizer.sid import parse_sid_token
 
 MAX_COUNT = 9
 NUM_POP_BUCKETS = 10
-TOPIC_SLOTS = 2  # how many of the history's most common level-a codes the trace names
 
 FEATURE_NAMES: tuple[str, ...] = (
     "log1p_hist_a",  # history items sharing the candidate's level-a code
@@ -44,6 +46,7 @@ class CandidateEvidence:
     """What the trace shows (and the score reads) about one candidate."""
 
     position: int
+    code_a: str  # the candidate's level-a SID token, restated in its trace line
     hist_a: int
     hist_ab: int
     recent_a: bool
@@ -54,19 +57,19 @@ class CandidateEvidence:
 
 @dataclass(frozen=True)
 class RequestEvidence:
-    """The history summary plus one evidence row per candidate, in candidate order."""
+    """The most recent history item plus one evidence row per candidate, in candidate order."""
 
     recent: tuple[str, str] | None  # level-a and level-b tokens of the last history item
-    topics: tuple[tuple[str, int], ...]  # most common level-a tokens of the history, counts
     candidates: tuple[CandidateEvidence, ...]
 
 
-def _cap(value: int) -> int:
-    return min(MAX_COUNT, value)
-
-
-def gather_evidence(catalog: ItemCatalog, history: Sequence[str], candidates: Sequence[str]) -> RequestEvidence:
-    """Evidence for one request; raises UnknownItemError for items outside the catalog."""
+def gather_evidence(
+    catalog: ItemCatalog, history: Sequence[str], candidates: Sequence[str], max_count: int = MAX_COUNT
+) -> RequestEvidence:
+    """Evidence for one request, counts capped at ``max_count``; raises UnknownItemError for
+    items outside the catalog."""
+    if not 1 <= max_count <= MAX_COUNT:
+        raise ValueError(f"max_count must be in 1..{MAX_COUNT}, got {max_count}")
     if not candidates:
         raise ValueError("a request needs at least one candidate")
     catalog.check([*history, *candidates])
@@ -77,34 +80,29 @@ def gather_evidence(catalog: ItemCatalog, history: Sequence[str], candidates: Se
     hist_ab = Counter(codes[item][:2] for item in history)
     cand_a = Counter(codes[item][0] for item in candidates)
     last = codes[history[-1]] if history else None
+
+    def cap(value: int) -> int:
+        return min(max_count, value)
+
     rows = []
     for position, item in enumerate(candidates):
         sid = codes[item]
         rows.append(
             CandidateEvidence(
                 position=position,
-                hist_a=_cap(hist_a[sid[0]]),
-                hist_ab=_cap(hist_ab[sid[:2]]),
+                code_a=sid[0],
+                hist_a=cap(hist_a[sid[0]]),
+                hist_ab=cap(hist_ab[sid[:2]]),
                 recent_a=last is not None and sid[0] == last[0],
                 recent_ab=last is not None and sid[:2] == last[:2],
-                crowd=_cap(cand_a[sid[0]] - 1),
+                crowd=cap(cand_a[sid[0]] - 1),
                 pop=catalog.pop_bucket[item],
             )
         )
-    topics = sorted(hist_a.items(), key=lambda kv: (-kv[1], _code_number(kv[0])))[:TOPIC_SLOTS]
     return RequestEvidence(
         recent=(last[0], last[1]) if last is not None else None,
-        topics=tuple((token, _cap(count)) for token, count in topics),
         candidates=tuple(rows),
     )
-
-
-def _code_number(token: str) -> int:
-    """``'<a_12>' -> 12``: orders equally common topics by code (i.e. by keyword frequency)."""
-    parsed = parse_sid_token(token)
-    if parsed is None:
-        raise ValueError(f"{token!r} is not a SID token")
-    return parsed[1]
 
 
 def feature_matrix(evidence: RequestEvidence) -> np.ndarray:

@@ -43,7 +43,7 @@ MAX_CANDIDATES = 50
 LABELS = [f"c{i + 1}" for i in range(MAX_CANDIDATES)]
 # Words the trace grammar may use besides SID tokens, labels and digits (teachers must
 # stay inside this list; the tokenizer is built from it).
-TRACE_WORDS = [POP, "recent", "topic", "a", "b", "c", "score", ";", "none", "crowd", "scores", "order"]
+TRACE_WORDS = [POP, "recent", "a", "b", "c", "score", ";", "none", "crowd", "scores", "order"]
 
 
 def candidate_label(index: int) -> str:

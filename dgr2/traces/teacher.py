@@ -99,7 +99,7 @@ def make_teacher(cfg: "TraceConfig", catalog: "ItemCatalog", train_examples: Ite
     if cfg.teacher == "rule":
         from dgr2.traces.rule_teacher import RuleTeacher
 
-        return RuleTeacher.fit(catalog, train_examples, weight_noise=cfg.weight_noise)
+        return RuleTeacher.fit(catalog, train_examples, weight_noise=cfg.weight_noise, max_count=cfg.max_count)
     if cfg.teacher == "hf":
         if not cfg.hf_teacher_path:
             raise ValueError("traces.teacher is 'hf' but traces.hf_teacher_path is not set")

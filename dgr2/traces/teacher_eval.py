@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     counts = dict(zip(stats.column("item_id").to_pylist(), stats.column("train_count").to_pylist()))
     catalog = ItemCatalog.from_counts(build_semantic_ids(raw.keywords, SidConfig().levels), counts)
     train = prepared.examples("train")
-    teacher = RuleTeacher.fit(catalog, train, weight_noise=trace_cfg.weight_noise)
+    teacher = RuleTeacher.fit(catalog, train, weight_noise=trace_cfg.weight_noise, max_count=trace_cfg.max_count)
     valid = prepared.examples("valid")[: args.valid]
     _, rejection = rejection_sample(
         train[: args.rejection], teacher, catalog, trace_cfg.accept_top_k, trace_cfg.samples_per_example, trace_cfg.seed
