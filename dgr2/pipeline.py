@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Bump a stage's version when its code changes what it writes (invalidates its cache).
 STAGE_VERSIONS = {
-    "data": "1", "vocab": "3", "traces": "3", "sft": "1", "eval": "2",
+    "data": "1", "vocab": "3", "traces": "3", "sft": "1", "eval": "3",
     "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "2", "register": "1", "ar_rl": "1",
 }
 # Each stage and the stages whose outputs it reads (the flow resolves these first).
@@ -37,7 +37,7 @@ STAGE_INPUTS: dict[str, list[str]] = {
     "vocab": ["data"],
     "traces": ["data", "vocab"],
     "sft": ["vocab", "traces"],
-    "eval": ["data", "vocab", "sft"],
+    "eval": ["data", "vocab", "traces", "sft"],
     "ar_rl": ["data", "vocab", "sft"],
     "naive": ["data", "vocab", "sft"],
     "mdm": ["data", "vocab", "sft"],
@@ -213,9 +213,13 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
 def evaluate_model(
     cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
     name: str, work: Path, splits: list[str] | None = None, threshold: float | None = None,
+    fidelity_teacher: Any = None,
 ) -> dict[str, dict[str, float]]:
     """Decode ``model_dir`` on each split, score strictly; write ``<name>_<split>.json`` and the
-    completions; return one results-table row per split (ranking, structure, tokens/s)."""
+    completions; return one results-table row per split (ranking, structure, tokens/s).
+
+    With ``fidelity_teacher`` (a rule teacher) the JSON also holds the field-by-field trace
+    error rates of the completions (:mod:`dgr2.traces.fidelity`)."""
     import torch
 
     from dgr2.eval.model_eval import evaluate_decoder, flat_row
@@ -239,7 +243,14 @@ def evaluate_model(
         row["tokens_per_forward"] = evaluated.decode["mean_tokens_per_sequence"] / max(evaluated.decode["mean_passes_per_sequence"], 1e-9)
         row["mean_completion_tokens"] = evaluated.decode["mean_tokens_per_sequence"]
         rows[split] = row
-        (work / f"{name}_{split}.json").write_text(json.dumps({"eval": evaluated.result, "decode": evaluated.decode}, indent=1))
+        payload = {"eval": evaluated.result, "decode": evaluated.decode}
+        if fidelity_teacher is not None:
+            from dgr2.traces.fidelity import trace_fidelity
+
+            payload["trace_fidelity"] = trace_fidelity(fidelity_teacher, examples, evaluated.completions)
+            log.info("trace fidelity %s %s: %s", name, split,
+                     {k: round(v, 3) for k, v in payload["trace_fidelity"].items()})
+        (work / f"{name}_{split}.json").write_text(json.dumps(payload, indent=1))
         (work / f"completions_{name}_{split}.jsonl").write_text(
             "\n".join(json.dumps({"example_id": ex["example_id"], "completion": c})
                       for ex, c in zip(examples, evaluated.completions))
@@ -247,21 +258,36 @@ def evaluate_model(
     return rows
 
 
+def _rule_teacher(traces: StageOutput, vocab: StageOutput) -> Any:
+    """The traces stage's fitted rule teacher, or None when another teacher wrote the traces."""
+    from dgr2.tokenizer.catalog import ItemCatalog
+    from dgr2.traces.build import RULE_TEACHER_FILE
+    from dgr2.traces.rule_teacher import RuleTeacher
+
+    path = traces.path / RULE_TEACHER_FILE
+    return RuleTeacher.load(path, ItemCatalog.load(vocab.file("catalog"))) if path.is_file() else None
+
+
 def _eval_outputs(rows: dict[str, dict[str, float]], name: str) -> dict[str, str]:
     return {f"{name}_{split}": f"{name}_{split}.json" for split in rows}
 
 
 # --------------------------------------------------------------------------- eval
-def run_eval(cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput, **_) -> StageOutput:
-    """Baselines and the AR model on valid/test: ranking, structural metrics and tokens/s."""
+def run_eval(
+    cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, traces: StageOutput, sft: StageOutput, **_
+) -> StageOutput:
+    """Baselines and the AR model on valid/test: ranking, structural metrics, tokens/s and, with
+    the rule teacher, how faithfully the model writes the teacher's trace."""
     from dgr2.eval.baselines import baseline_metrics
     from dgr2.eval.report import write_results_table
 
-    key = _key("eval", cfg, ("eval",), [data, vocab, sft])
+    key = _key("eval", cfg, ("eval",), [data, vocab, traces, sft])
 
     def build(work: Path) -> dict[str, Any]:
         counts = item_counts(data)
-        ar_rows = evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", "ar_sft", work)
+        teacher = _rule_teacher(traces, vocab)
+        ar_rows = evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", "ar_sft", work,
+                                 fidelity_teacher=teacher)
         outputs, summary = {}, {}
         for split in cfg.eval.splits:
             examples = load_split(data, split)
@@ -271,7 +297,12 @@ def run_eval(cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutp
             files = write_results_table(rows, work, f"Amazon Beauty {split} (n={len(examples)})", stem=f"results_{split}")
             outputs.update({f"{split}_{kind}": str(p.relative_to(work)) for kind, p in files.items()})
             summary[split] = rows
-        return {"outputs": outputs, "stats": {"tables": summary}}
+        stats: dict[str, Any] = {"tables": summary}
+        if teacher is not None:
+            stats["trace_fidelity"] = {
+                split: json.loads((work / f"ar_sft_{split}.json").read_text())["trace_fidelity"] for split in ar_rows
+            }
+        return {"outputs": outputs, "stats": stats}
 
     return store.run("eval", key, build)
 

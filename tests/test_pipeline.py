@@ -31,6 +31,9 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
         assert 0.0 <= rows["ar_sft"][name] <= 1.0
     assert (first["sft"].file("model") / "model.safetensors").is_file()
     assert first["eval"].file("test_png").stat().st_size > 1000
+    fidelity = first["eval"].manifest["stats"]["trace_fidelity"]
+    assert set(fidelity) == {"valid", "test"}
+    assert 0.0 <= fidelity["test"]["a_error"] <= 1.0 and fidelity["test"]["examples"] > 0
     # every diffusion stage leaves a block-diffusion checkpoint and an eval on both splits
     for name in ("naive", "mdm", "cft", "opd", "rl"):
         assert (first[name].file("model") / "block_diffusion.json").is_file()

@@ -398,3 +398,35 @@ def test_max_count_one_turns_counts_into_presence_flags(world, tmp_path) -> None
     assert loaded.rank(RerankRequest.from_example(examples[0])) == flags.rank(RerankRequest.from_example(examples[0]))
     with pytest.raises(ValueError, match="max_count"):
         RuleTeacher.fit(catalog, examples[:50], max_count=0)
+
+
+def test_trace_fidelity_is_clean_on_teacher_traces_and_counts_each_wrong_field(world, teacher) -> None:
+    from dgr2.traces.fidelity import trace_fidelity
+
+    _, examples = world
+    chosen = examples[:20]
+    own = [teacher.rank(RerankRequest.from_example(ex)).completion() for ex in chosen]
+    clean = trace_fidelity(teacher, chosen, own)
+    assert clean["evidence_faithful"] == 1.0 and clean["sort_consistent"] == 1.0
+    assert all(clean[f"{f}_error"] == 0.0 for f in ("code_a", "a", "b", "crowd", "pop", "score_vs_teacher"))
+    assert clean["line_missing"] == 0.0 and clean["recent_error"] == 0.0
+
+    # example 0: c1's pop digit changed and c2's line dropped; example 1: its answer reversed
+    words = own[0].split()
+    at = words.index("c1")
+    pop_at = at + words[at:].index("pop") + 1
+    words[pop_at] = str((int(words[pop_at]) + 1) % 10)
+    c2 = words.index("c2")
+    end = c2 + words[c2:].index(";")
+    del words[c2:end + 1]
+    reversed_answer = own[1].split()
+    open_at, close_at = reversed_answer.index("<answer>"), reversed_answer.index("</answer>")
+    reversed_answer[open_at + 1:close_at] = reversed_answer[open_at + 1:close_at][::-1]
+    broken = trace_fidelity(teacher, chosen, [" ".join(words), " ".join(reversed_answer), *own[2:]])
+    lines = sum(len(ex["candidates"]) for ex in chosen)
+    assert broken["line_missing"] == pytest.approx(1 / lines)
+    assert broken["pop_error"] == pytest.approx(1 / (lines - 1))
+    assert broken["evidence_faithful"] == pytest.approx(19 / 20)
+    assert broken["sort_consistent"] == pytest.approx(18 / 19)  # example 0 lacks a line: not scored
+    with pytest.raises(ValueError, match="at least one"):
+        trace_fidelity(teacher, [], [])
