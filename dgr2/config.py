@@ -123,6 +123,9 @@ class EvalConfig(_Strict):
     # decoding thresholds tau swept for the final diffusion model (the speed/accuracy curve)
     tau_sweep: list[float] = [1.0, 0.9, 0.7, 0.5]
     tau_sweep_split: Literal["valid", "test"] = "test"
+    # the sweep also times this many prompts decoded one request at a time (batch 1, the
+    # latency-bound serving regime); 0 skips it
+    latency_examples: int = Field(32, ge=0)
 
 
 class DiffusionConfig(_Strict):

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # Bump a stage's version when its code changes what it writes (invalidates its cache).
 STAGE_VERSIONS = {
     "data": "1", "vocab": "3", "traces": "3", "sft": "1", "eval": "3",
-    "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "2", "register": "1", "ar_rl": "1",
+    "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "3", "register": "1", "ar_rl": "1",
 }
 # Each stage and the stages whose outputs it reads (the flow resolves these first).
 STAGE_INPUTS: dict[str, list[str]] = {
@@ -190,7 +190,7 @@ def run_sft(
 
 
 # --------------------------------------------------------------------------- evaluation helper
-def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None = None):
+def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None = None, batch_size: int | None = None):
     """The decode callable of an evaluation: greedy AR, or block diffusion with cfg.diffusion."""
     from dgr2.decoding.ar import ar_generate
     from dgr2.decoding.block_diffusion import diffusion_generate
@@ -199,7 +199,7 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
 
     stops = stop_token_ids(tokenizer)
     common = dict(max_new_tokens=cfg.eval.max_new_tokens, eos_id=tokenizer.eos_token_id,
-                  pad_id=tokenizer.pad_token_id, stop_ids=stops, batch_size=cfg.eval.batch_size)
+                  pad_id=tokenizer.pad_token_id, stop_ids=stops, batch_size=batch_size or cfg.eval.batch_size)
     if kind == "ar":
         return lambda prompt_ids: ar_generate(model, prompt_ids, **common)
     d = cfg.diffusion
@@ -266,6 +266,34 @@ def _rule_teacher(traces: StageOutput, vocab: StageOutput) -> Any:
 
     path = traces.path / RULE_TEACHER_FILE
     return RuleTeacher.load(path, ItemCatalog.load(vocab.file("catalog"))) if path.is_file() else None
+
+
+def single_request_speed(
+    cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
+    split: str, threshold: float | None = None,
+) -> dict[str, float]:
+    """Tokens/s decoding the first ``cfg.eval.latency_examples`` prompts one request at a time.
+
+    Why next to the batch-64 number: a batched CPU pass is compute-bound, so a diffusion pass
+    over a 32-token block costs far more than an AR pass over one token a row; a single request
+    is latency-bound (the Serve case and the paper's regime), where a pass costs about the same
+    either way and the speed-up is the tokens committed per pass."""
+    import torch
+
+    from dgr2.eval.model_eval import encode_prompts
+    from dgr2.models.ar import load_model
+    from dgr2.tokenizer.catalog import ItemCatalog
+    from dgr2.tokenizer.hf import load_tokenizer
+
+    torch.manual_seed(cfg.data.seed)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    examples = load_split(data, split)[: cfg.eval.latency_examples]
+    prompt_ids = encode_prompts(tokenizer, ItemCatalog.load(vocab.file("catalog")), examples)
+    out = _decoder(cfg, kind, load_model(model_dir), tokenizer, threshold, batch_size=1)(prompt_ids)
+    return {
+        "tokens_per_s_b1": out.tokens_generated / max(out.seconds, 1e-9),
+        "ms_per_request_b1": 1000.0 * out.seconds / max(len(prompt_ids), 1),
+    }
 
 
 def _eval_outputs(rows: dict[str, dict[str, float]], name: str) -> dict[str, str]:
@@ -580,13 +608,20 @@ def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOut
     sweep_dir = work / "tau_sweep"
     sweep_dir.mkdir()
     rows = {"ar_sft": evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", "ar", sweep_dir, [split])[split]}
+    if cfg.eval.latency_examples:
+        rows["ar_sft"].update(single_request_speed(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", split))
     for tau in cfg.eval.tau_sweep:
         name = f"rl_tau{tau:g}"
         rows[name] = evaluate_model(cfg, data, vocab, final.file("model"), final.file("tokenizer"), "diffusion",
                                     name, sweep_dir, [split], threshold=tau)[split]
-    ar_tps = rows["ar_sft"]["tokens_per_s"]
+        if cfg.eval.latency_examples:
+            rows[name].update(single_request_speed(cfg, data, vocab, final.file("model"), final.file("tokenizer"),
+                                                   "diffusion", split, threshold=tau))
+    ar = rows["ar_sft"]
     for row in rows.values():
-        row["speedup_vs_ar"] = row["tokens_per_s"] / max(ar_tps, 1e-9)
+        row["speedup_vs_ar"] = row["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9)
+        if cfg.eval.latency_examples:
+            row["speedup_vs_ar_b1"] = row["tokens_per_s_b1"] / max(ar["tokens_per_s_b1"], 1e-9)
     files = write_results_table(rows, work, f"Final model over decoding threshold tau ({split})", stem="tau_sweep")
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for name, row in rows.items():

@@ -42,6 +42,7 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
     assert {"popularity", "ar_sft", "naive", "mdm", "cft", "opd", "rl"} <= set(recipe)
     tau = json.loads(first["report"].file("tau_json").read_text())["rows"]
     assert {"ar_sft", "rl_tau1", "rl_tau0.5"} <= set(tau)
+    assert all(row["tokens_per_s_b1"] > 0 and row["speedup_vs_ar_b1"] > 0 for row in tau.values())
     for name in ("opd", "rl"):  # online stages: one policy version per step, all trajectories on-policy
         history = json.loads(first[name].file("history").read_text())
         assert [h["rollout/policy_version"] for h in history] == [float(i + 1) for i in range(len(history))]
