@@ -123,6 +123,8 @@ class EvalConfig(_Strict):
     # decoding thresholds tau swept for the final diffusion model (the speed/accuracy curve)
     tau_sweep: list[float] = [1.0, 0.9, 0.7, 0.5]
     tau_sweep_split: Literal["valid", "test"] = "test"
+    # commit orders swept with each tau (dgr2.decoding.commit); empty = diffusion.commit_order only
+    commit_order_sweep: list[Literal["confidence", "left_to_right"]] = []
     # the sweep also times this many prompts decoded one request at a time (batch 1, the
     # latency-bound serving regime); 0 skips it
     latency_examples: int = Field(32, ge=0)
@@ -134,12 +136,18 @@ class DiffusionConfig(_Strict):
     block_size: int = Field(32, ge=1, le=64)
     max_steps_per_block: int = Field(8, ge=1)
     confidence_threshold: float = Field(0.9, gt=0.0, le=1.0)
+    # which slots a step may commit (dgr2.decoding.commit): "confidence" = the paper's rule
+    # (confident slots anywhere), "left_to_right" = the confident run from the leftmost masked slot
+    commit_order: Literal["confidence", "left_to_right"] = "confidence"
     mask_schedule: Literal["uniform", "linear", "cosine"] = "uniform"
     # Smallest mask ratio a training block can draw (t ~ schedule over [mask_eps, 1]).
     mask_eps: float = Field(1e-3, gt=0.0, lt=1.0)
     # "inverse_t": masked CE weighted by 1/t and averaged over supervised tokens (the
     # masked-diffusion ELBO); "none": plain mean CE over the masked tokens.
     loss_weighting: Literal["inverse_t", "none"] = "inverse_t"
+    # share of training blocks that mask their last k tokens instead of a random k-subset: the
+    # states a left-to-right decoder visits (dgr2.models.mask_schedule)
+    suffix_mask_prob: float = Field(0.0, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _steps_fit_block(self) -> "DiffusionConfig":

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Bump a stage's version when its code changes what it writes (invalidates its cache).
 STAGE_VERSIONS = {
-    "data": "1", "vocab": "3", "traces": "3", "sft": "1", "eval": "3",
+    "data": "3", "vocab": "5", "traces": "5", "sft": "1", "eval": "3",
     "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "3", "register": "1", "ar_rl": "1",
 }
 # Each stage and the stages whose outputs it reads (the flow resolves these first).
@@ -95,6 +95,14 @@ def item_counts(data: StageOutput) -> dict[str, int]:
     return dict(zip(table.column("item_id").to_pylist(), table.column("train_count").to_pylist()))
 
 
+def item_pop_buckets(data: StageOutput) -> dict[str, int]:
+    """The popularity bucket the data stage gave each item (prompts must show exactly these)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(data.file("item_stats"), columns=["item_id", "pop_bucket"])
+    return dict(zip(table.column("item_id").to_pylist(), table.column("pop_bucket").to_pylist()))
+
+
 # --------------------------------------------------------------------------- vocab
 def run_vocab(cfg: Config, store: StageStore, data: StageOutput, **_) -> StageOutput:
     """Semantic IDs from keyword levels, the item catalog and the HF tokenizer."""
@@ -108,7 +116,8 @@ def run_vocab(cfg: Config, store: StageStore, data: StageOutput, **_) -> StageOu
     def build(work: Path) -> dict[str, Any]:
         raw = load_raw_dataset(Path(cfg.data.path))
         sids = build_semantic_ids(raw.keywords, levels=cfg.sid.levels)
-        catalog = ItemCatalog.from_counts(sids, item_counts(data))
+        buckets = item_pop_buckets(data)
+        catalog = ItemCatalog(sids, {item: int(buckets.get(item, 0)) for item in sids.codes})
         catalog.save(work / "catalog.json")
         tokenizer = build_tokenizer(sids.tokens(), work / "tokenizer")
         return {
@@ -190,8 +199,10 @@ def run_sft(
 
 
 # --------------------------------------------------------------------------- evaluation helper
-def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None = None, batch_size: int | None = None):
-    """The decode callable of an evaluation: greedy AR, or block diffusion with cfg.diffusion."""
+def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None = None, batch_size: int | None = None,
+             commit_order: str | None = None):
+    """The decode callable of an evaluation: greedy AR, or block diffusion with cfg.diffusion
+    (``threshold`` / ``commit_order`` override its decoding rule)."""
     from dgr2.decoding.ar import ar_generate
     from dgr2.decoding.block_diffusion import diffusion_generate
     from dgr2.eval.model_eval import stop_token_ids
@@ -206,14 +217,14 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
     tau = d.confidence_threshold if threshold is None else threshold
     return lambda prompt_ids: diffusion_generate(
         model, prompt_ids, block_size=d.block_size, max_steps_per_block=d.max_steps_per_block, threshold=tau,
-        mask_id=mask_id_from_tokenizer(tokenizer), **common,
+        mask_id=mask_id_from_tokenizer(tokenizer), commit_order=commit_order or d.commit_order, **common,
     )
 
 
 def evaluate_model(
     cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
     name: str, work: Path, splits: list[str] | None = None, threshold: float | None = None,
-    fidelity_teacher: Any = None,
+    fidelity_teacher: Any = None, commit_order: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Decode ``model_dir`` on each split, score strictly; write ``<name>_<split>.json`` and the
     completions; return one results-table row per split (ranking, structure, tokens/s).
@@ -231,7 +242,7 @@ def evaluate_model(
     catalog = ItemCatalog.load(vocab.file("catalog"))
     tokenizer = load_tokenizer(tokenizer_dir)
     model = load_model(model_dir)
-    decode = _decoder(cfg, kind, model, tokenizer, threshold)
+    decode = _decoder(cfg, kind, model, tokenizer, threshold, commit_order=commit_order)
     rows: dict[str, dict[str, float]] = {}
     for split in splits or cfg.eval.splits:
         examples = load_split(data, split)
@@ -270,7 +281,7 @@ def _rule_teacher(traces: StageOutput, vocab: StageOutput) -> Any:
 
 def single_request_speed(
     cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
-    split: str, threshold: float | None = None,
+    split: str, threshold: float | None = None, commit_order: str | None = None,
 ) -> dict[str, float]:
     """Tokens/s decoding the first ``cfg.eval.latency_examples`` prompts one request at a time.
 
@@ -289,7 +300,7 @@ def single_request_speed(
     tokenizer = load_tokenizer(tokenizer_dir)
     examples = load_split(data, split)[: cfg.eval.latency_examples]
     prompt_ids = encode_prompts(tokenizer, ItemCatalog.load(vocab.file("catalog")), examples)
-    out = _decoder(cfg, kind, load_model(model_dir), tokenizer, threshold, batch_size=1)(prompt_ids)
+    out = _decoder(cfg, kind, load_model(model_dir), tokenizer, threshold, batch_size=1, commit_order=commit_order)(prompt_ids)
     return {
         "tokens_per_s_b1": out.tokens_generated / max(out.seconds, 1e-9),
         "ms_per_request_b1": 1000.0 * out.seconds / max(len(prompt_ids), 1),
@@ -343,7 +354,8 @@ def _write_diffusion_meta(model_dir: Path, cfg: Config, tokenizer_dir: Path) -> 
 
     d = cfg.diffusion
     meta = {"mask_id": mask_id_from_tokenizer(load_tokenizer(tokenizer_dir)), "block_size": d.block_size,
-            "mask_schedule": d.mask_schedule, "mask_eps": d.mask_eps, "loss_weighting": d.loss_weighting}
+            "mask_schedule": d.mask_schedule, "mask_eps": d.mask_eps, "loss_weighting": d.loss_weighting,
+            "suffix_mask_prob": d.suffix_mask_prob}
     (Path(model_dir) / META_FILE).write_text(json.dumps(meta, indent=2))
 
 
@@ -595,6 +607,9 @@ def run_report(
     return store.run("report", key, build)
 
 
+COMMIT_ORDER_TAGS = {"confidence": "conf", "left_to_right": "l2r"}
+
+
 def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOutput, final: StageOutput, work: Path) -> dict[str, Any]:
     """Accuracy and tokens/s of the final diffusion model over thresholds, AR measured alongside."""
     import matplotlib
@@ -610,13 +625,15 @@ def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOut
     rows = {"ar_sft": evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", "ar", sweep_dir, [split])[split]}
     if cfg.eval.latency_examples:
         rows["ar_sft"].update(single_request_speed(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", split))
-    for tau in cfg.eval.tau_sweep:
-        name = f"rl_tau{tau:g}"
-        rows[name] = evaluate_model(cfg, data, vocab, final.file("model"), final.file("tokenizer"), "diffusion",
-                                    name, sweep_dir, [split], threshold=tau)[split]
-        if cfg.eval.latency_examples:
-            rows[name].update(single_request_speed(cfg, data, vocab, final.file("model"), final.file("tokenizer"),
-                                                   "diffusion", split, threshold=tau))
+    orders = cfg.eval.commit_order_sweep or [cfg.diffusion.commit_order]
+    for order in orders:
+        for tau in cfg.eval.tau_sweep:
+            name = f"rl_tau{tau:g}" if len(orders) == 1 else f"rl_{COMMIT_ORDER_TAGS[order]}_tau{tau:g}"
+            rows[name] = evaluate_model(cfg, data, vocab, final.file("model"), final.file("tokenizer"), "diffusion",
+                                        name, sweep_dir, [split], threshold=tau, commit_order=order)[split]
+            if cfg.eval.latency_examples:
+                rows[name].update(single_request_speed(cfg, data, vocab, final.file("model"), final.file("tokenizer"),
+                                                       "diffusion", split, threshold=tau, commit_order=order))
     ar = rows["ar_sft"]
     for row in rows.values():
         row["speedup_vs_ar"] = row["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9)
@@ -661,7 +678,7 @@ def run_register(
             work / "bundle", rl.file("model"), rl.file("tokenizer"), vocab.file("catalog"),
             name=cfg.serve_model.name, version=rl.key, kind="diffusion",
             decoding={"max_steps_per_block": d.max_steps_per_block, "threshold": d.confidence_threshold,
-                      "max_new_tokens": cfg.eval.max_new_tokens},  # block size: model/block_diffusion.json
+                      "max_new_tokens": cfg.eval.max_new_tokens, "commit_order": d.commit_order},  # block size: model/block_diffusion.json
             mlflow_run_id=mlflow_run_id, metrics=metrics, ar_model_dir=sft.file("model"),
         )
         stats: dict[str, Any] = {"metrics": metrics}

@@ -121,6 +121,23 @@ def test_loss_is_on_masked_supervised_tokens_only():
     assert model.ar.get_input_embeddings().weight.grad is not None
 
 
+def test_suffix_blocks_mask_the_last_supervised_tokens():
+    supervised = torch.ones((64, 8), dtype=torch.bool)
+    supervised[:, 7] = False  # a padded slot: never masked, never counted in the suffix
+    masked, ratio = sample_block_masks(supervised, 4, "uniform", 1e-3, torch.Generator().manual_seed(0), suffix_prob=1.0)
+    for row in masked.view(64, 2, 4).tolist():
+        for b, block in enumerate(row):
+            n = 4 if b == 0 else 3
+            k = sum(block)
+            assert 1 <= k <= n and block[:n] == [False] * (n - k) + [True] * k  # a suffix of the supervised slots
+    mixed, _ = sample_block_masks(supervised, 4, "uniform", 1e-3, torch.Generator().manual_seed(0), suffix_prob=0.5)
+    suffix_like = [block[: block.index(True)] == [False] * block.index(True) and all(block[block.index(True):4 - (b == 1)])
+                   for row in mixed.view(64, 2, 4).tolist() for b, block in enumerate(row)]
+    assert 0.5 < sum(suffix_like) / len(suffix_like) < 1.0  # random subsets are sometimes suffixes too
+    with pytest.raises(ValueError, match="suffix_prob"):
+        sample_block_masks(supervised, 4, "uniform", 1e-3, suffix_prob=1.5)
+
+
 @pytest.mark.parametrize("schedule", ["uniform", "linear", "cosine"])
 def test_mask_ratio_schedules_stay_in_range(schedule):
     u = torch.linspace(0, 1, 101)

@@ -26,7 +26,7 @@ from dgr2.data.candidates import (
     recall_at_k,
 )
 from dgr2.data.loader import DataFormatError, LoadReport, load_raw_dataset
-from dgr2.data.popularity import popular_order, popularity_buckets, train_counts
+from dgr2.data.popularity import NUM_BUCKETS, popular_order, popularity_buckets, train_counts
 from dgr2.data.prepare import EXAMPLE_SCHEMA, content_hash, prepare_examples
 from dgr2.data.retriever_bench import compare_variants
 from dgr2.data.seeding import example_rng, stable_int
@@ -291,14 +291,27 @@ def test_train_counts_exclude_valid_and_test_items() -> None:
         train_counts({"u": ["Z", "A", "B"]}, ["A", "B"])
 
 
-def test_popularity_buckets_are_monotone_deciles() -> None:
-    counts = {f"i{n}": n for n in range(100)} | {f"z{n}": 0 for n in range(5)}
+def test_popularity_buckets_are_monotone_quantiles() -> None:
+    counts = {f"i{n}": n for n in range(200)} | {f"z{n}": 0 for n in range(5)}
     buckets = popularity_buckets(counts)
-    assert set(buckets.values()) <= set(range(10)) and buckets["i0"] == 0 and buckets["i99"] == 9
+    assert set(buckets.values()) <= set(range(NUM_BUCKETS)) and buckets["i0"] == 0 and buckets["i199"] == NUM_BUCKETS - 1
     ordered = sorted(counts, key=counts.__getitem__)
     assert all(buckets[a] <= buckets[b] for a, b in zip(ordered, ordered[1:]))
     assert buckets["z0"] == buckets["i0"]  # equal counts share a bucket
     assert max(Counter(buckets.values()).values()) <= 16
+
+
+def test_popularity_buckets_split_the_reference_population_evenly() -> None:
+    # 100 items; the reference (e.g. train candidates) only ever shows the top 40
+    counts = {f"i{n}": n for n in range(100)}
+    reference = [f"i{n}" for n in range(60, 100) for _ in range(3)]
+    buckets = popularity_buckets(counts, reference=reference)
+    top = Counter(buckets[f"i{n}"] for n in range(60, 100))
+    assert len(top) == NUM_BUCKETS and max(top.values()) <= 3  # the head gets all the resolution
+    assert all(buckets[f"i{n}"] == 0 for n in range(61))  # below the reference's range: bucket 0
+    assert popularity_buckets(counts, reference=None) != buckets
+    with pytest.raises(ValueError, match="non-empty"):
+        popularity_buckets(counts, reference=[])
 
 
 # ----------------------------------------------------------------------------------- retrieval
@@ -467,7 +480,7 @@ def test_prepare_writes_consistent_examples(tmp_path: Path) -> None:
     items = pq.read_table(data.item_stats).to_pylist()
     counts = Counter(i for seq in raw.sequences.values() for i in seq[:-2])
     assert len(items) == 150 and all(row["train_count"] == counts[row["item_id"]] for row in items)
-    assert {row["pop_bucket"] for row in items} <= set(range(10))
+    assert {row["pop_bucket"] for row in items} <= set(range(NUM_BUCKETS))
 
 
 def test_prepare_reuses_cache_and_rehashes_on_change(

@@ -122,3 +122,47 @@ def test_sampled_decoding_is_seeded_and_records_its_trajectory():
             assert set(block_steps) == set(range(max(block_steps) + 1))
     with pytest.raises(ValueError, match="temperature"):
         run(diffusion_generate, model, temperature=-1.0)
+
+
+def test_left_to_right_commit_takes_the_confident_run_from_the_leftmost_masked_slot():
+    from dgr2.decoding.commit import commit_step
+
+    # one row, 6 slots, slot 0 already committed; per-slot confidence of the argmax token
+    confidence = torch.tensor([[0.99, 0.95, 0.97, 0.60, 0.99, 0.99]])
+    logits = torch.log(torch.stack([confidence, 1 - confidence], -1)).nan_to_num(neginf=-30.0)
+    logits = torch.cat([logits, torch.full((1, 6, 1), -30.0)], -1)  # token 2 = [MASK], never proposed
+    masked = torch.tensor([[False, True, True, True, True, True]])
+    l2r, tokens, _ = commit_step(logits, masked, 0.9, steps_left=5, mask_id=2, order="left_to_right")
+    paper, _, _ = commit_step(logits, masked, 0.9, steps_left=5, mask_id=2, order="confidence")
+    assert l2r.tolist() == [[False, True, True, False, False, False]]  # stops at the unsure slot 3
+    assert paper.tolist() == [[False, True, True, False, True, True]]  # confident slots anywhere
+    assert (tokens == 0).all()
+    # nothing confident: the leftmost masked slot (AR order), not the most confident one
+    unsure, _, _ = commit_step(logits, masked, 0.999, steps_left=5, mask_id=2, order="left_to_right")
+    assert unsure.tolist() == [[False, True, False, False, False, False]]
+    # the step floor still holds: 5 masked slots, 2 steps left -> at least the 3 leftmost
+    floor, _, _ = commit_step(logits, masked, 0.999, steps_left=2, mask_id=2, order="left_to_right")
+    assert floor.tolist() == [[False, True, True, True, False, False]]
+    with pytest.raises(ValueError, match="unknown commit order"):
+        commit_step(logits, masked, 0.9, steps_left=5, mask_id=2, order="random")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_left_to_right_at_threshold_one_is_greedy_ar_decoding(arch):
+    """With tau = 1 the left-to-right rule commits one slot a step in reading order: the block
+    model then decodes like AR greedy on the same weights whenever the block's own noisy slots
+    do not change the prediction, which holds exactly for block size 1 and, for a larger
+    block, is what the cached decoder must reproduce against its reference."""
+    model = tiny_ar(arch)
+    with torch.no_grad():
+        model.lm_head.weight[MASK].zero_()
+    cached = run(diffusion_generate, model, threshold=1.0, max_steps_per_block=4, commit_order="left_to_right")
+    reference = run(diffusion_generate_uncached, model, threshold=1.0, max_steps_per_block=4, commit_order="left_to_right")
+    assert cached.sequences == reference.sequences
+    for steps in cached.unmask_steps:  # slot i of every block is committed at step i
+        assert steps == [i % 4 for i in range(len(steps))]
+    ar = ar_generate(model, PROMPTS, max_new_tokens=10, eos_id=None, pad_id=PAD, batch_size=3)
+    one = diffusion_generate(BlockDiffusionLM(model, mask_id=MASK, block_size=1), PROMPTS, block_size=1,
+                             max_steps_per_block=1, threshold=1.0, max_new_tokens=10, mask_id=MASK, eos_id=None,
+                             pad_id=PAD, batch_size=3, commit_order="left_to_right")
+    assert one.sequences == ar.sequences

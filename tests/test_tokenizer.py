@@ -178,16 +178,16 @@ def test_catalog_save_load_and_validation(catalog: ItemCatalog, sids: SemanticId
     assert loaded.sids.report == sids.report
     with pytest.raises(ValueError, match="no popularity bucket"):
         ItemCatalog(sids, {"i1": 0})
-    with pytest.raises(ValueError, match="0..9"):
-        ItemCatalog(sids, {item: 10 for item in sids.codes})
+    with pytest.raises(ValueError, match="0..19"):
+        ItemCatalog(sids, {item: 20 for item in sids.codes})
     with pytest.raises(ValueError, match="without a SID"):
         ItemCatalog(sids, {**{item: 0 for item in sids.codes}, "zzz": 1})
 
 
-def test_catalog_from_counts_buckets_by_decile(sids: SemanticIds) -> None:
+def test_catalog_from_counts_buckets_by_quantile(sids: SemanticIds) -> None:
     counts = {"i1": 100, "i2": 0, "i3": 5, "i4": 5, "i5": 50}  # i6 absent: count 0
     catalog = ItemCatalog.from_counts(sids, counts)
     pop = catalog.pop_bucket
     assert pop["i2"] == pop["i6"] == 0
     assert pop["i3"] == pop["i4"]
-    assert pop["i2"] < pop["i3"] < pop["i5"] < pop["i1"] <= 9
+    assert pop["i2"] < pop["i3"] < pop["i5"] < pop["i1"] <= 19

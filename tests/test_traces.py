@@ -18,7 +18,7 @@ from dgr2.traces import format as fmt
 from dgr2.traces.build import REPORT_FILE, build_trace_dataset
 from dgr2.traces.listwise import fit_listwise
 from dgr2.traces.rejection import rejection_sample
-from dgr2.traces.rule_teacher import RuleTeacher
+from dgr2.traces.rule_teacher import NUM_SCORE_BUCKETS, RuleTeacher
 from dgr2.traces.teacher import RerankRequest, Trace, make_teacher
 
 NUM_CANDIDATES = 10
@@ -105,7 +105,7 @@ def test_completion_follows_the_grammar(world, teacher) -> None:
         assert parsed.think.split() == trace.think_tokens
         ids = tokenizer(catalog.prompt(request.history, request.candidates) + " " + trace.completion())["input_ids"]
         assert tokenizer.unk_token_id not in ids  # every trace word is in the vocabulary
-        assert 100 <= len(trace.think_tokens) <= 200  # ~130 tokens of evidence + ~45 of sort (10 candidates)
+        assert 100 <= len(trace.think_tokens) <= 200  # ~140 tokens of evidence + ~55 of sort (10 candidates)
 
 
 def test_trace_states_the_recent_item_first(world, teacher) -> None:
@@ -114,7 +114,7 @@ def test_trace_states_the_recent_item_first(world, teacher) -> None:
     for example in examples[:20]:
         think = teacher.rank(RerankRequest.from_example(example)).think_tokens
         last = codes[example["history"][-1]]
-        assert think[:5] == ["recent", last[0], last[1], ";", fmt.candidate_label(0)]
+        assert think[:4] == ["recent", last[0], ";", fmt.candidate_label(0)]
 
 
 def test_empty_history_and_short_sids(world, teacher) -> None:
@@ -122,8 +122,8 @@ def test_empty_history_and_short_sids(world, teacher) -> None:
     trace = teacher.rank(RerankRequest([], examples[0]["candidates"]))
     assert trace.think_tokens[:4] == ["recent", "none", ";", fmt.candidate_label(0)]
     flat = ItemCatalog(build_semantic_ids({"x": ["k"], "y": ["k"]}, levels=1), {"x": 0, "y": 1})
-    with pytest.raises(ValueError, match="two keyword levels"):
-        RuleTeacher(flat, teacher.model, teacher.score_edges).rank(RerankRequest(["x"], ["y"]))
+    trace = RuleTeacher(flat, teacher.model, teacher.score_edges).rank(RerankRequest(["x"], ["y"]))
+    assert trace.think_tokens[:8] == ["recent", "<a_0>", ";", "c1", "<a_0>", "a", "1", "r"]  # one level is enough
 
 
 def test_ranking_is_sort_by_displayed_scores(world, teacher) -> None:
@@ -145,10 +145,10 @@ def test_displayed_evidence_matches_history(world, teacher) -> None:
     for index, item in enumerate(example["candidates"]):
         at = think.index(fmt.candidate_label(index))
         hist_a = sum(codes[h][0] == codes[item][0] for h in example["history"])
-        hist_ab = sum(codes[h][:2] == codes[item][:2] for h in example["history"])
+        recent = int(codes[example["history"][-1]][0] == codes[item][0])
         crowd = sum(codes[c][0] == codes[item][0] for c in example["candidates"]) - 1
         assert think[at + 1:at + 10] == [
-            codes[item][0], "a", str(min(9, hist_a)), "b", str(min(9, hist_ab)), "crowd", str(min(9, crowd)),
+            codes[item][0], "a", str(min(9, hist_a)), "r", str(recent), "crowd", str(min(9, crowd)),
             "pop", str(catalog.pop_bucket[item]),
         ]
 
@@ -376,7 +376,7 @@ def test_trace_writes_the_sort_out_before_the_answer(world, teacher) -> None:
         pairs = think[s + 1 : o - 1]
         assert {fmt.label_index(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)} == shown
         listing = think[o + 1 :]
-        assert [w for w in listing if w.isdigit()] == [str(d) for d in range(9, -1, -1)]
+        assert [w for w in listing if w.isdigit()] == [str(d) for d in range(NUM_SCORE_BUCKETS - 1, -1, -1)]
         assert [fmt.label_index(w) for w in listing if not w.isdigit()] == trace.ranking
 
 
@@ -388,9 +388,7 @@ def test_max_count_one_turns_counts_into_presence_flags(world, tmp_path) -> None
     for example in examples[:50]:
         request = RerankRequest.from_example(example)
         for flag, count in zip(flags.evidence(request).candidates, counts.evidence(request).candidates):
-            assert (flag.hist_a, flag.hist_ab, flag.crowd) == (
-                min(1, count.hist_a), min(1, count.hist_ab), min(1, count.crowd)
-            )
+            assert (flag.hist_a, flag.recent_a, flag.crowd) == (min(1, count.hist_a), count.recent_a, min(1, count.crowd))
             seen_count_above_one |= max(count.hist_a, count.crowd) > 1
     assert seen_count_above_one  # the comparison above is not vacuous
     loaded = RuleTeacher.load(flags.save(tmp_path / "t.json"), catalog)
@@ -408,14 +406,14 @@ def test_trace_fidelity_is_clean_on_teacher_traces_and_counts_each_wrong_field(w
     own = [teacher.rank(RerankRequest.from_example(ex)).completion() for ex in chosen]
     clean = trace_fidelity(teacher, chosen, own)
     assert clean["evidence_faithful"] == 1.0 and clean["sort_consistent"] == 1.0
-    assert all(clean[f"{f}_error"] == 0.0 for f in ("code_a", "a", "b", "crowd", "pop", "score_vs_teacher"))
+    assert all(clean[f"{f}_error"] == 0.0 for f in ("code_a", "a", "r", "crowd", "pop", "score_vs_teacher"))
     assert clean["line_missing"] == 0.0 and clean["recent_error"] == 0.0
 
     # example 0: c1's pop digit changed and c2's line dropped; example 1: its answer reversed
     words = own[0].split()
     at = words.index("c1")
     pop_at = at + words[at:].index("pop") + 1
-    words[pop_at] = str((int(words[pop_at]) + 1) % 10)
+    words[pop_at] = str((int(words[pop_at]) + 1) % 20)
     c2 = words.index("c2")
     end = c2 + words[c2:].index(";")
     del words[c2:end + 1]

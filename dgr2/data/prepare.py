@@ -40,7 +40,7 @@ from dgr2.data.split import SPLITS, SplitExample, leave_one_out
 log = logging.getLogger(__name__)
 
 # Bump whenever code changes what is written for the same inputs and config.
-PREP_VERSION = "dgr2-data-1"
+PREP_VERSION = "dgr2-data-2"
 MIN_SEQUENCE_LENGTH = 3
 MANIFEST = "manifest.json"
 ITEM_STATS_FILE = "item_stats.parquet"
@@ -196,8 +196,11 @@ def _build(cfg: DataConfig, tmp: Path, digest: str) -> None:
 
     split_stats: dict[str, dict[str, Any]] = {}
     files: dict[str, str] = {}
+    train_candidates: list[str] = []
     for split in SPLITS:
         rows = _split_rows(split, splits[split], cfg, retriever, popular)
+        if split == "train":
+            train_candidates = [item for row in rows for item in row["candidates"]]
         recalled = sum(row["recalled"] for row in rows)
         kept = [row for row in rows if row["recalled"]] if cfg.target_insertion == "recalled_only" else rows
         if split != "train":
@@ -212,7 +215,8 @@ def _build(cfg: DataConfig, tmp: Path, digest: str) -> None:
         pq.write_table(pa.Table.from_pylist(kept, schema=EXAMPLE_SCHEMA), tmp / files[split])
         log.info("%s: %d examples (retriever recall@%d %.4f)", split, len(kept), k, split_stats[split][f"recall@{k}"])
 
-    buckets = popularity_buckets(counts)
+    # bucket edges split the train candidates evenly (see popularity_buckets)
+    buckets = popularity_buckets(counts, reference=train_candidates or None)
     items = sorted(counts)
     item_table = pa.Table.from_pydict(
         {"item_id": items, "train_count": [counts[i] for i in items], "pop_bucket": [buckets[i] for i in items]},

@@ -12,7 +12,9 @@ slot 0 at the last clean token before the block, whose logits are kept from the 
 (that token never sees the block, so its logits cannot change within the block).
 
 A pass therefore costs ``block`` query tokens (plus ``block`` more on the first step), and
-AR decoding is the ``block_size = 1`` case: one pass per token, same logits.
+AR decoding is the ``block_size = 1`` case: one pass per token, same logits.  The LM head
+runs only at the slots the loop asks for (those still masked in some row): on CPU it is
+about 40% of a pass at a 9k vocabulary, and a block is on average half committed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers import DynamicCache, PreTrainedModel
 from dgr2.decoding.batching import left_pad, positions_from_mask
 from dgr2.decoding.block_layout import block_layout, empty_layout, prompt_layout
 from dgr2.decoding.block_loop import BlockDecodeSettings, decode_blocks
+from dgr2.decoding.commit import CommitOrder
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import model_device
 from dgr2.models.block_diffusion import BlockDiffusionLM
@@ -56,23 +59,24 @@ class CachedBlockPredictor:
         offsets = block_index * self.settings.block_size + torch.arange(length, device=self.device)
         self.block_pos = self.prompt_len[:, None] + offsets
 
-    def block_logits(self, block: torch.Tensor) -> torch.Tensor:
+    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         rows, length = block.shape
         if self.pending is not None:
             ids, pos, layout = self.pending
             noisy = block_layout(rows, length, TokenKind.NOISY, self.block_index, self.cached.length + layout.length, self.device)
             queries = layout.cat(noisy)
-            first = layout.length - 1
-            keep = torch.arange(first, first + length, device=self.device)  # last clean token + slots 0..L-2
+            keep = layout.length - 1 + slots  # slot i is read at the query before it (slot 0: last clean token)
             logits = self._forward(torch.cat([ids, block], 1), torch.cat([pos, self.block_pos], 1), queries, keep)
             self.cached = self.cached.cat(layout)
             self.pending = None
+            if int(slots[0]) != 0:
+                raise RuntimeError("the first step of a block must predict slot 0")
             self.first_logits = logits[:, :1]
             return logits
         noisy = block_layout(rows, length, TokenKind.NOISY, self.block_index, self.cached.length, self.device)
-        keep = torch.arange(length - 1, device=self.device)
-        logits = self._forward(block, self.block_pos, noisy, keep)
-        return torch.cat([self.first_logits, logits], 1)
+        later = slots[slots > 0]
+        logits = self._forward(block, self.block_pos, noisy, later - 1)
+        return torch.cat([self.first_logits, logits], 1) if int(slots[0]) == 0 else logits
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
         if len(keep) < self.prompt_len.shape[0]:
@@ -108,6 +112,7 @@ def diffusion_generate(
     batch_size: int = 32,
     temperature: float = 0.0,
     seed: int | None = None,
+    commit_order: CommitOrder = "confidence",
 ) -> DecodeOutput:
     """Block-diffusion continuations (new tokens only, cut after the first stop, inclusive).
 
@@ -117,5 +122,5 @@ def diffusion_generate(
         model, prompt_ids, CachedBlockPredictor, block_size=block_size, max_steps_per_block=max_steps_per_block,
         threshold=threshold, max_new_tokens=max_new_tokens, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id,
         stop_ids=stop_ids, batch_size=batch_size,
-        temperature=temperature, seed=seed,
+        temperature=temperature, seed=seed, commit_order=commit_order,
     )

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from dgr2.decoding.batching import left_pad, positions_from_mask
 from dgr2.decoding.block_layout import block_layout, prompt_layout
 from dgr2.decoding.block_loop import BlockDecodeSettings, decode_blocks
+from dgr2.decoding.commit import CommitOrder
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import model_device
 from dgr2.models.block_diffusion import BlockDiffusionLM
@@ -36,7 +37,7 @@ class UncachedBlockPredictor:
     def begin_block(self, block_index: int, length: int) -> None:
         self.block_index, self.length = block_index, length
 
-    def block_logits(self, block: torch.Tensor) -> torch.Tensor:
+    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         rows, length = block.shape
         lp, done = self.prompt_ids.shape[1], self.completed.shape[1]
         prompt_len = self.prompt_mask.sum(1, keepdim=True)
@@ -51,7 +52,7 @@ class UncachedBlockPredictor:
         noisy = block_layout(rows, length, TokenKind.NOISY, self.block_index, lp + done, self.device)
         tokens = prompt_layout(self.prompt_mask).cat(clean).cat(noisy)
         mask = additive_mask(allowed_attention(tokens, tokens), self.model.dtype)
-        keep = torch.cat([torch.tensor([lp + done - 1], device=self.device), lp + done + torch.arange(length - 1, device=self.device)])
+        keep = lp + done - 1 + slots  # slot i is read at the column before it
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
@@ -74,11 +75,12 @@ def diffusion_generate_uncached(
     batch_size: int = 32,
     temperature: float = 0.0,
     seed: int | None = None,
+    commit_order: CommitOrder = "confidence",
 ) -> DecodeOutput:
     """Same contract and decisions as ``diffusion_generate``, computed without a cache."""
     return decode_blocks(
         model, prompt_ids, UncachedBlockPredictor, block_size=block_size, max_steps_per_block=max_steps_per_block,
         threshold=threshold, max_new_tokens=max_new_tokens, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id,
         stop_ids=stop_ids, batch_size=batch_size,
-        temperature=temperature, seed=seed,
+        temperature=temperature, seed=seed, commit_order=commit_order,
     )

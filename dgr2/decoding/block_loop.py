@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dgr2.decoding.batching import cut_at_stop, length_sorted_batches, stop_set, validate_prompts
-from dgr2.decoding.commit import BlockState, block_state, commit_step
+from dgr2.decoding.commit import COMMIT_ORDERS, BlockState, CommitOrder, block_state, commit_step
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import decoding_mode
 from dgr2.models.block_diffusion import BlockDiffusionLM, require_mask_capable_attention, validate_block_size
@@ -43,9 +43,12 @@ class BlockDecodeSettings:
     pad_id: int
     stops: frozenset[int]
     temperature: float = 0.0
+    commit_order: CommitOrder = "confidence"
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
+        if self.commit_order not in COMMIT_ORDERS:
+            raise ValueError(f"commit_order must be one of {COMMIT_ORDERS}, got {self.commit_order!r}")
         if not 1 <= self.max_steps_per_block <= self.block_size:
             raise ValueError(
                 f"max_steps_per_block must be in 1..block_size ({self.block_size}), got "
@@ -67,8 +70,9 @@ class BlockPredictor(Protocol):
 
     def begin_block(self, block_index: int, length: int) -> None: ...
 
-    def block_logits(self, block: torch.Tensor) -> torch.Tensor:
-        """``(rows, length, vocab)`` predictions for the block's slots given its current tokens."""
+    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``(rows, len(slots), vocab)`` predictions for the block slots ``slots`` (increasing
+        indices) given the block's current tokens."""
         ...
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
@@ -102,15 +106,17 @@ def decode_blocks(
     batch_size: int,
     temperature: float = 0.0,
     seed: int | None = None,
+    commit_order: CommitOrder = "confidence",
 ) -> DecodeOutput:
     """Validate, batch by length, decode each batch with ``make_predictor``'s logits.
 
-    ``temperature > 0`` samples (``seed`` makes it reproducible); 0 is greedy.
+    ``temperature > 0`` samples (``seed`` makes it reproducible); 0 is greedy.  ``commit_order``
+    is the commit rule's order (:mod:`dgr2.decoding.commit`).
     """
     validate_prompts(prompt_ids, batch_size, max_new_tokens)
     settings = BlockDecodeSettings(
         block_size, max_steps_per_block, float(threshold), max_new_tokens, mask_id, pad_id,
-        stop_set(eos_id, stop_ids), float(temperature),
+        stop_set(eos_id, stop_ids), float(temperature), commit_order,
     )
     ar = unwrap(model)
     record = _Record(prompt_ids)
@@ -178,18 +184,23 @@ def _decode_batch(
         state = [BlockState.OPEN] * rows
         taken = [0] * rows
         for step in range(budget):
-            logits = predictor.block_logits(block)
-            passes += 1
             open_rows = torch.tensor([s is BlockState.OPEN for s in state], device=device)
+            live = masked & open_rows[:, None]
+            slots = live.any(0).nonzero().squeeze(1)  # only these slots can commit this step
+            logits = predictor.block_logits(block, slots)
+            passes += 1
             for r in range(rows):
                 if state[r] is not BlockState.STOPPED:
                     row_passes[active[r]] += 1
                 if state[r] is BlockState.OPEN:
                     taken[r] += 1
-            commit, tokens, token_logp = commit_step(
-                logits, masked & open_rows[:, None], settings.threshold, budget - step, settings.mask_id,
-                settings.temperature, generator,
+            sub_commit, sub_tokens, sub_logp = commit_step(
+                logits, live[:, slots], settings.threshold, budget - step, settings.mask_id,
+                settings.temperature, generator, settings.commit_order,
             )
+            commit = torch.zeros_like(masked).index_copy_(1, slots, sub_commit)
+            tokens = torch.zeros_like(block).index_copy_(1, slots, sub_tokens)
+            token_logp = torch.zeros_like(logprob).index_copy_(1, slots, sub_logp)
             block = torch.where(commit, tokens, block)
             unmasked_at = torch.where(commit, step, unmasked_at)
             logprob = torch.where(commit, token_logp, logprob)

@@ -6,14 +6,34 @@ one floor so a block always finishes within its step budget: with ``r`` masked p
 ``s`` steps left, at least ``ceil(r / s)`` are committed (the most confident ones).  With
 ``threshold = 1.0`` and ``steps = block size`` this is one token per step; a lower threshold
 commits more in parallel.
+
+Two orders (``CommitOrder``):
+
+* ``confidence`` (the paper's): the confident slots anywhere in the block, else the single most
+  confident one.  A slot far to the right is predicted with everything before it still masked,
+  so its prediction is a marginal over unseen left context; for the permutation sections of a
+  trace (``order``, the answer) that marginal is "some label likely to be here", and two slots
+  can commit the same label with high confidence in one step (a duplicate, i.e. an invalid
+  ranking that no later step can undo).
+* ``left_to_right``: the run of confident slots starting at the leftmost masked one, and at
+  least that leftmost slot.  Every committed slot then sits right of a committed prefix, the
+  state the AR-initialised model was trained in, so a label is copied after the label it
+  follows (an induction step the AR model already does) instead of being guessed from its
+  offset.  With ``threshold = 1.0`` this is exactly greedy AR decoding order; lower thresholds
+  still commit several slots a pass when the model is sure of them (grammar words, copied
+  codes), which is where the parallelism of a trace comes from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
+from typing import Literal
 
 import torch
+
+CommitOrder = Literal["confidence", "left_to_right"]
+COMMIT_ORDERS: tuple[str, ...] = ("confidence", "left_to_right")
 
 
 def commit_step(
@@ -24,36 +44,49 @@ def commit_step(
     mask_id: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    order: CommitOrder = "confidence",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(commit, tokens, logprobs)`` for a ``(rows, L, vocab)`` step: which masked slots to
     fill, with what, and each proposed token's log-probability under the sampling distribution.
+    ``logits`` is consumed (its ``[MASK]`` column is overwritten in place when it is float32).
 
     ``temperature = 0`` is greedy (the argmax; its log-prob is under the untempered softmax);
     ``temperature > 0`` samples every slot from ``softmax(logits / T)`` and uses the sampled
     token's probability as its confidence (RL and OPD rollouts need diverse trajectories).
-    The ``[MASK]`` id itself is never a candidate, so no output can contain it.
+    The ``[MASK]`` id itself is never a candidate, so no output can contain it.  ``order``
+    picks which slots may commit (module docstring).
     """
+    if order not in COMMIT_ORDERS:
+        raise ValueError(f"unknown commit order {order!r}; choose one of {COMMIT_ORDERS}")
     if steps_left < 1:
         raise ValueError(f"steps_left must be >= 1, got {steps_left}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    logits = logits.float().clone()
+    logits = logits.float()  # no copy when already float32: the caller hands over a fresh tensor
     logits[..., mask_id] = float("-inf")
     if temperature > 0:
         logp = (logits / temperature).log_softmax(-1)
         flat = logp.exp().reshape(-1, logp.shape[-1])
         tokens = torch.multinomial(flat, 1, generator=generator).reshape(logp.shape[:-1])
         token_logp = logp.gather(-1, tokens[..., None]).squeeze(-1)
-    else:
-        logp = logits.log_softmax(-1)
-        token_logp, tokens = logp.max(-1)
+    else:  # argmax and its log-prob without materialising a (rows, slots, vocab) log-softmax
+        best, tokens = logits.max(-1)
+        token_logp = best - logits.logsumexp(-1)
     confidence = token_logp.exp().masked_fill(~masked, float("-inf"))
     remaining = masked.sum(-1, keepdim=True)
     floor = torch.where(remaining > 0, (remaining + steps_left - 1) // steps_left, remaining)
-    order = torch.sort(confidence, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    commit = masked & ((confidence >= threshold) | (rank < floor))
+    confident = confidence >= threshold
+    if order == "left_to_right":
+        # the leftmost `floor` masked slots must go; then every masked slot up to the first
+        # masked one that is neither forced nor confident
+        forced = masked & (masked.long().cumsum(-1) <= floor)
+        blocked = masked & ~(confident | forced)
+        commit = masked & (confident | forced) & (blocked.long().cumsum(-1) == 0)
+        return commit, tokens, token_logp
+    ranked = torch.sort(confidence, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(ranked)
+    rank.scatter_(-1, ranked, torch.arange(ranked.shape[-1], device=ranked.device).expand_as(ranked))
+    commit = masked & (confident | (rank < floor))
     return commit, tokens, token_logp
 
 

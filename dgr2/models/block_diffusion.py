@@ -172,6 +172,7 @@ class BlockDiffusionLM(nn.Module):
         mask_schedule: MaskSchedule = "uniform",
         mask_eps: float = 1e-3,
         loss_weighting: LossWeighting = "inverse_t",
+        suffix_mask_prob: float = 0.0,
     ):
         super().__init__()
         validate_block_size(block_size)
@@ -185,18 +186,21 @@ class BlockDiffusionLM(nn.Module):
             raise ValueError(f"mask_eps must be in (0, 1), got {mask_eps}")
         if loss_weighting not in ("inverse_t", "none"):
             raise ValueError(f"loss_weighting must be 'inverse_t' or 'none', got {loss_weighting!r}")
+        if not 0.0 <= suffix_mask_prob <= 1.0:
+            raise ValueError(f"suffix_mask_prob must be in [0, 1], got {suffix_mask_prob}")
         self.ar = ar
         self.mask_id = int(mask_id)
         self.block_size = block_size
         self.mask_schedule: MaskSchedule = mask_schedule
         self.mask_eps = mask_eps
         self.loss_weighting: LossWeighting = loss_weighting
+        self.suffix_mask_prob = float(suffix_mask_prob)
 
     @classmethod
     def from_config(cls, ar: PreTrainedModel, cfg: DiffusionConfig, mask_id: int) -> "BlockDiffusionLM":
         return cls(
             ar, mask_id=mask_id, block_size=cfg.block_size, mask_schedule=cfg.mask_schedule,
-            mask_eps=cfg.mask_eps, loss_weighting=cfg.loss_weighting,
+            mask_eps=cfg.mask_eps, loss_weighting=cfg.loss_weighting, suffix_mask_prob=cfg.suffix_mask_prob,
         )
 
     # ------------------------------------------------------------------ layout and logits
@@ -259,7 +263,8 @@ class BlockDiffusionLM(nn.Module):
         towards heavily masked blocks).
         """
         masked, ratio = sample_block_masks(
-            batch.loss_mask.bool(), self.block_size, self.mask_schedule, self.mask_eps, generator
+            batch.loss_mask.bool(), self.block_size, self.mask_schedule, self.mask_eps, generator,
+            suffix_prob=self.suffix_mask_prob,
         )
         return self.loss_from_masks(batch, masked, ratio)
 
@@ -288,7 +293,7 @@ class BlockDiffusionLM(nn.Module):
         self.ar.save_pretrained(path, safe_serialization=True)
         meta = {
             "mask_id": self.mask_id, "block_size": self.block_size, "mask_schedule": self.mask_schedule,
-            "mask_eps": self.mask_eps, "loss_weighting": self.loss_weighting,
+            "mask_eps": self.mask_eps, "loss_weighting": self.loss_weighting, "suffix_mask_prob": self.suffix_mask_prob,
         }
         (path / META_FILE).write_text(json.dumps(meta, indent=2))
 

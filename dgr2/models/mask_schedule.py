@@ -16,6 +16,14 @@ often get zero masked tokens (a wasted block) and the realised ratio ``k / n`` i
 exactly, which is the ratio the ``1/t`` loss weight uses (for a fixed ``k`` the masked set
 is a uniform ``k``-subset, so ``n/k * sum(masked CE)`` is an unbiased estimate of the sum
 over all tokens of the any-order model's CE - the masked-diffusion ELBO term).
+
+Suffix blocks (``suffix_prob``): with that probability a block masks its *last* ``k``
+supervised tokens instead of a uniform ``k``-subset.  Why: a left-to-right decoder
+(:mod:`dgr2.decoding.commit`) only ever visits states where a block's committed tokens are a
+prefix, and a uniform ``k``-subset is almost never such a state (1 in ``C(32, k)``), so the
+model would be trained nearly only on contexts it never decodes from.  Suffix blocks are not
+part of the any-order ELBO; they are extra supervision on the decoder's own states (the
+``1/t`` weight still uses the realised ratio ``k / n``).
 """
 
 from __future__ import annotations
@@ -50,8 +58,9 @@ def sample_block_masks(
     schedule: MaskSchedule,
     eps: float,
     generator: torch.Generator | None = None,
+    suffix_prob: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose masked completion tokens block by block.
+    """Choose masked completion tokens block by block (suffix blocks with ``suffix_prob``).
 
     ``supervised`` is a ``(batch, length)`` bool tensor of completion tokens that carry loss;
     only they can be masked.  Returns ``(masked, ratio)``: the bool mask and, per token, the
@@ -59,6 +68,8 @@ def sample_block_masks(
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not 0.0 <= suffix_prob <= 1.0:
+        raise ValueError(f"suffix_prob must be in [0, 1], got {suffix_prob}")
     batch, length = supervised.shape
     n_blocks = -(-length // block_size)
     padded = torch.zeros((batch, n_blocks * block_size), dtype=torch.bool, device=supervised.device)
@@ -69,6 +80,10 @@ def sample_block_masks(
     k = torch.round(mask_ratio(u, schedule, eps) * n).long().clamp(min=1)
     k = torch.minimum(k, n)
     scores = torch.rand(blocks.shape, generator=generator, device="cpu").to(supervised.device)
+    if suffix_prob > 0:
+        suffix = torch.rand((batch, n_blocks), generator=generator, device="cpu").to(supervised.device) < suffix_prob
+        last_first = torch.arange(block_size, 0, -1, device=supervised.device, dtype=scores.dtype) / (block_size + 1)
+        scores = torch.where(suffix[..., None], last_first.expand_as(scores), scores)
     scores = scores.masked_fill(~blocks, float("inf"))  # unsupervised slots sort last
     rank = scores.argsort(-1).argsort(-1)
     masked = (rank < k[..., None]) & blocks

@@ -118,6 +118,7 @@ class PolicySpec:
     torch_threads: int | None = None  # torch intra-op threads per actor (None: torch/Ray default)
     dtype: str = "float32"
     seed_scope: SeedScope = "chunk"
+    commit_order: str = "confidence"  # dgr2.decoding.commit.CommitOrder
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", str(self.model_dir))
@@ -151,7 +152,7 @@ class PolicySpec:
         # the decoder's own validation, run here so a bad spec fails in the caller, not in an actor
         BlockDecodeSettings(
             self.block_size, self.max_steps_per_block, float(self.threshold), self.max_new_tokens, self.mask_id,
-            self.pad_id, stop_set(self.eos_id, self.stop_ids), float(self.temperature),
+            self.pad_id, stop_set(self.eos_id, self.stop_ids), float(self.temperature), self.commit_order,
         )
 
     @classmethod
@@ -179,7 +180,7 @@ class PolicySpec:
             max_steps_per_block=diffusion.max_steps_per_block, threshold=diffusion.confidence_threshold,
             max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, mask_id=mask_id,
             eos_id=eos_id, pad_id=pad_id, stop_ids=tuple(stop_ids), batch_size=rollout.batch_size,
-            device=device, torch_threads=torch_threads,
+            device=device, torch_threads=torch_threads, commit_order=diffusion.commit_order,
         )
         fields.update(overrides)
         return cls(**fields)

@@ -140,7 +140,7 @@ def trace_scores(tokens: Sequence[str], num_candidates: int) -> list[float] | No
     while i + 1 < len(tokens):
         label, digit = tokens[i], tokens[i + 1]
         index = fmt.label_index(label)
-        if index is None or digit not in fmt.DIGITS:
+        if index is None or digit not in fmt.NUMBERS:
             break
         if index < num_candidates:
             scores.setdefault(index, int(digit))
@@ -238,6 +238,7 @@ class Reranker:
         for source in (self.bundle.meta.decoding, self.settings.decoding):
             merged.update({k: v for k, v in source.model_dump().items() if v is not None})
         merged["max_new_tokens"] = min(int(merged["max_new_tokens"]), self.settings.max_new_tokens_cap)
+        self.commit_order = str(merged["commit_order"])
         if self.kind == "ar":
             return DecodeParams(None, None, merged["max_new_tokens"])
         assert self.block_size is not None
@@ -263,6 +264,7 @@ class Reranker:
                 "max_steps_per_block": self.defaults.max_steps_per_block,
                 "max_new_tokens": self.defaults.max_new_tokens,
                 "block_size": self.block_size,
+                "commit_order": self.commit_order if self.kind == "diffusion" else None,
             },
             "limits": {
                 "max_candidates": s.max_candidates,
@@ -422,6 +424,7 @@ class Reranker:
                     self.model, prompts, block_size=self.block_size, max_steps_per_block=params.max_steps_per_block,
                     threshold=params.threshold, max_new_tokens=params.max_new_tokens, mask_id=self.mask_id,
                     eos_id=self.eos_id, pad_id=self.pad_id, stop_ids=self.stop_ids, batch_size=len(prompts),
+                    commit_order=self.commit_order,
                 )
             else:
                 out = ar_generate(

@@ -51,10 +51,12 @@ class DecodingDefaults(BaseModel):
     threshold: float | None = Field(None, gt=0.0, le=1.0)
     max_steps_per_block: int | None = Field(None, ge=1, le=64)
     max_new_tokens: int | None = Field(None, ge=1)
+    # dgr2.decoding.commit: which slots a denoising step may commit
+    commit_order: Literal["confidence", "left_to_right"] | None = None
 
 
 # Used when neither the settings nor the bundle say anything (paper-style threshold rule).
-FALLBACK_DECODING = {"threshold": 0.9, "max_steps_per_block": 8, "max_new_tokens": 224}
+FALLBACK_DECODING = {"threshold": 0.9, "max_steps_per_block": 8, "max_new_tokens": 224, "commit_order": "confidence"}
 
 
 class ServeSettings(BaseModel):

@@ -12,11 +12,10 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from dgr2.data.popularity import popularity_buckets
+from dgr2.data.popularity import NUM_BUCKETS as NUM_POP_BUCKETS, popularity_buckets
 from dgr2.tokenizer.sid import SemanticIds
 from dgr2.traces import format as fmt
 
-NUM_POP_BUCKETS = 10
 
 
 class UnknownItemError(KeyError):
@@ -44,13 +43,13 @@ class ItemCatalog:
             raise ValueError(f"{len(extra)} popularity buckets for items without a SID, e.g. {extra[:5]}")
         bad = {item: b for item, b in pop_bucket.items() if not (isinstance(b, int) and 0 <= b < NUM_POP_BUCKETS)}
         if bad:
-            raise ValueError(f"popularity buckets must be ints in 0..9, got e.g. {list(bad.items())[:5]}")
+            raise ValueError(f"popularity buckets must be ints in 0..{NUM_POP_BUCKETS - 1}, got e.g. {list(bad.items())[:5]}")
         self.sids = sids
         self.pop_bucket = dict(pop_bucket)
 
     @classmethod
     def from_counts(cls, sids: SemanticIds, counts: Mapping[str, int]) -> "ItemCatalog":
-        """Catalog whose buckets are the deciles of train interaction ``counts`` (0 if absent).
+        """Catalog whose buckets are the popularity buckets of train ``counts`` (0 if absent).
 
         Uses :func:`dgr2.data.popularity.popularity_buckets`, so prompts show the same
         bucket as the prepared data's ``item_stats``.

@@ -5,7 +5,7 @@ Why word level: prompts, traces and answers are space-separated tokens from a cl
 sequence a grammar symbol.  Parsers, constrained decoders and diffusion masks can then
 reason about token positions exactly, and ``decode(encode(text)) == text``.
 
-Id order is fixed (special, structure, digits, labels, trace words, SIDs in
+Id order is fixed (special, structure, numbers, labels, trace words, SIDs in
 ``SemanticIds.tokens()`` order), so the ids of the grammar tokens never depend on the
 catalog and a checkpoint's embedding rows keep their meaning across SID rebuilds.
 Nothing is inserted automatically: prompts already start with ``<s>``.  Padding is on the
@@ -26,7 +26,7 @@ from dgr2.traces import format as fmt
 def grammar_vocabulary(sid_tokens: Sequence[str]) -> list[str]:
     """The full vocabulary in id order; duplicates or whitespace in a token are errors."""
     vocab = [
-        *fmt.SPECIAL_TOKENS, *fmt.STRUCTURE_TOKENS, *fmt.DIGITS, *fmt.LABELS, *fmt.TRACE_WORDS,
+        *fmt.SPECIAL_TOKENS, *fmt.STRUCTURE_TOKENS, *fmt.NUMBERS, *fmt.LABELS, *fmt.TRACE_WORDS,
         *sid_tokens,
     ]
     seen: set[str] = set()

@@ -8,8 +8,7 @@ completions the evaluation already decoded (no extra decoding), by comparing eac
 line with the evidence the teacher computes from the same prompt.
 
 It reads the grammar of :func:`dgr2.traces.rule_teacher.render_trace`: a ``recent`` line and
-one ``cK <a_x> a D b D crowd D pop D score D`` line per candidate.  Lines written without the
-code token (traces of older teachers) are read too; their ``code_a`` field is then not scored.
+one ``cK <a_x> a N r N crowd N pop N score N`` line per candidate.
 
 Reported per field: the error rate over candidate lines the model wrote, and for ``a`` and
 ``crowd`` also the error rate where the true value is >= 1 (the case a student that just writes
@@ -29,20 +28,20 @@ from dgr2.eval.parse import parse_completion
 from dgr2.traces.rule_teacher import RuleTeacher, ranking_from_buckets
 from dgr2.traces.teacher import RerankRequest
 
-_LINE = re.compile(r"(?:^|; )(c\d+)(?: (<a_\d+>))? a (\d) b (\d) crowd (\d) pop (\d) score (\d)(?= ;| </think>|$)")
-_RECENT = re.compile(r"recent (\S+) (\S+) ;")
-FIELDS: tuple[str, ...] = ("code_a", "a", "b", "crowd", "pop", "score_vs_teacher")
+_LINE = re.compile(r"(?:^|; )(c\d+) (<a_\d+>) a (\d+) r (\d+) crowd (\d+) pop (\d+) score (\d+)(?= ;| </think>|$)")
+_RECENT = re.compile(r"recent (\S+) ;")
+FIELDS: tuple[str, ...] = ("code_a", "a", "r", "crowd", "pop", "score_vs_teacher")
 
 
 def parse_candidate_lines(think: str) -> dict[str, dict[str, Any]]:
-    """``{label: {code_a, a, b, crowd, pop, score}}`` for every well-formed candidate line (the
+    """``{label: {code_a, a, r, crowd, pop, score}}`` for every well-formed candidate line (the
     first one when a label is repeated)."""
     lines: dict[str, dict[str, Any]] = {}
     for match in _LINE.finditer(think):
         label, code, *digits = match.groups()
         if label not in lines:
-            a, b, crowd, pop, score = (int(d) for d in digits)
-            lines[label] = {"code_a": code, "a": a, "b": b, "crowd": crowd, "pop": pop, "score": score}
+            a, r, crowd, pop, score = (int(d) for d in digits)
+            lines[label] = {"code_a": code, "a": a, "r": r, "crowd": crowd, "pop": pop, "score": score}
     return lines
 
 
@@ -72,7 +71,7 @@ def trace_fidelity(
                 all_right = False
                 continue
             lines_written += 1
-            truth = {"a": cand.hist_a, "b": cand.hist_ab, "crowd": cand.crowd, "pop": cand.pop}
+            truth = {"a": cand.hist_a, "r": int(cand.recent_a), "crowd": cand.crowd, "pop": cand.pop}
             for field, value in truth.items():
                 wrong = line[field] != value
                 errors[field] += wrong
@@ -88,7 +87,7 @@ def trace_fidelity(
         recent = _RECENT.search(completion)
         if evidence.recent is not None:
             recent_total += 1
-            errors["recent"] += recent is None or (recent.group(1), recent.group(2)) != evidence.recent
+            errors["recent"] += recent is None or recent.group(1) != evidence.recent
         faithful += all_right
         parsed = parse_completion(completion, len(evidence.candidates))
         if parsed.valid and len(written) == len(evidence.candidates):
@@ -97,7 +96,7 @@ def trace_fidelity(
             sort_consistent += list(parsed.ranking) == ranking_from_buckets(own)
     if not examples_seen:
         raise ValueError("trace_fidelity needs at least one example")
-    out = {f"{field}_error": errors[field] / max(lines_written, 1) for field in ("a", "b", "crowd", "pop", "score_vs_teacher")}
+    out = {f"{field}_error": errors[field] / max(lines_written, 1) for field in ("a", "r", "crowd", "pop", "score_vs_teacher")}
     out["code_a_error"] = errors["code_a"] / code_scored if code_scored else float("nan")
     out.update({f"{field}_error_when_nonzero": nonzero_errors[field] / max(nonzero[field], 1) for field in ("a", "crowd")})
     out["line_missing"] = errors["line_missing"] / max(lines_total, 1)

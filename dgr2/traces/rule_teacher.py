@@ -2,15 +2,15 @@
 
 Why this shape: the AR re-ranker is trained to imitate this teacher, so every step of its
 trace must be learnable from the prompt.  The trace states what the history shows, then
-for each candidate the evidence the score uses and a 0-9 score digit; the answer is exactly
-the candidates sorted by that digit (descending, ties by retriever position).  So the last
+for each candidate the evidence the score uses and a 0-19 score level; the answer is exactly
+the candidates sorted by that level (descending, ties by retriever position).  So the last
 step (trace -> answer) is a deterministic sort the model can learn exactly.
 
 Trace grammar (one line per candidate, ``;``-separated)::
 
-    recent <a_3> <b_17> ;
-    c1 <a_3> a 2 b 1 crowd 3 pop 3 score 7 ; c2 <a_9> a 0 b 0 crowd 0 pop 8 score 4 ; ... ;
-    scores c1 7 c2 4 ... ; order 9 8 c3 7 c1 c5 6 ... 0
+    recent <a_3> ;
+    c1 <a_3> a 1 r 1 crowd 1 pop 13 score 17 ; c2 <a_9> a 0 r 0 crowd 0 pop 18 score 4 ; ... ;
+    scores c1 17 c2 4 ... ; order 19 18 c3 17 c1 c5 16 ... 0
 
 Each candidate line restates the candidate's level-a code before the counts that depend on
 it.  Why: without it, writing ``a`` needs two hops (label -> the candidate's code in the
@@ -22,17 +22,18 @@ copied right 99.97% of the time), each count is one lookup from a token in conte
 The sort is written out as two lookups a small transformer learns reliably (measured: with
 the candidate lines alone, a 4-layer model learned the evidence but copied the input order
 into the answer).  ``scores`` restates every ``label digit`` pair side by side; ``order``
-walks the digits 9..0 and after each digit lists, in position order, the labels whose score
+walks the levels 19..0 and after each level lists, in position order, the labels whose score
 is that digit (an induction-style lookup over the adjacent pairs).  The answer is then a
 copy of the labels of ``order`` in sequence.
 
-``recent``: the last history item's level-a and level-b codes (the score's ``recent_a``/
-``recent_ab`` compare a candidate with it); ``a``/``b``: history items sharing the
-candidate's level-a / level-a+b codes; ``crowd``: other candidates sharing its level-a code;
-``pop``: popularity bucket (see :mod:`dgr2.traces.evidence`; counts are capped at the
-teacher's ``max_count``).  The score digit is the decile of the candidate's linear
-score among all train candidates: a fixed, per-candidate scale, so a candidate's digit does
-not depend on which other candidates happen to be in the list.
+``recent``: the last history item's level-a code; ``a``: history items sharing the
+candidate's level-a code; ``r``: whether that is the recent code; ``crowd``: other candidates
+sharing its level-a code; ``pop``: popularity bucket (see :mod:`dgr2.traces.evidence`; counts
+are capped at the teacher's ``max_count``).  The score level is the 20-quantile of the
+candidate's linear score among all train candidates: a fixed, per-candidate scale, so a
+candidate's level does not depend on which other candidates happen to be in the list.  20
+levels, not 10: the noise-free teacher's test NDCG@10 is 0.667 with deciles and 0.676 with
+20 levels (Amazon Beauty, n=3000), because fewer candidates tie.
 
 Weights come from listwise logistic regression on train examples (the target's softmax
 probability among its candidates).  ``propose`` adds Gaussian noise to the (standardised)
@@ -55,15 +56,16 @@ from dgr2.traces.evidence import FEATURE_NAMES, MAX_COUNT, RequestEvidence, feat
 from dgr2.traces.listwise import ListwiseModel, fit_listwise
 from dgr2.traces.teacher import RerankRequest, Trace
 
-NUM_SCORE_BUCKETS = 10
+NUM_SCORE_BUCKETS = 20
+if NUM_SCORE_BUCKETS > len(fmt.NUMBERS):
+    raise ImportError("score levels must be number words of the grammar")
 
 
 def render_trace(evidence: RequestEvidence, score_buckets: np.ndarray) -> list[str]:
     """The trace words for this evidence and these per-candidate score digits."""
-    words: list[str] = ["recent"]
-    words += list(evidence.recent) if evidence.recent is not None else ["none"]
+    words: list[str] = ["recent", evidence.recent if evidence.recent is not None else "none"]
     for ev, bucket in zip(evidence.candidates, score_buckets):
-        words += [";", fmt.candidate_label(ev.position), ev.code_a, "a", str(ev.hist_a), "b", str(ev.hist_ab)]
+        words += [";", fmt.candidate_label(ev.position), ev.code_a, "a", str(ev.hist_a), "r", str(int(ev.recent_a))]
         words += ["crowd", str(ev.crowd), fmt.POP, str(ev.pop), "score", str(int(bucket))]
     words += [";", "scores"]
     for ev, bucket in zip(evidence.candidates, score_buckets):
@@ -76,7 +78,7 @@ def render_trace(evidence: RequestEvidence, score_buckets: np.ndarray) -> list[s
 
 
 def ranking_from_buckets(score_buckets: np.ndarray) -> list[int]:
-    """Candidates by displayed score digit, descending; equal digits keep retriever order."""
+    """Candidates by displayed score level, descending; equal levels keep retriever order."""
     return sorted(range(len(score_buckets)), key=lambda i: (-int(score_buckets[i]), i))
 
 
@@ -152,7 +154,7 @@ class RuleTeacher:
         return gather_evidence(self.catalog, request.history, request.candidates, self.max_count)
 
     def score_buckets(self, evidence: RequestEvidence, weights: np.ndarray | None = None) -> np.ndarray:
-        """Score digit 0-9 per candidate: which train-score decile its linear score falls in."""
+        """Score level 0-19 per candidate: which train-score 20-quantile its linear score falls in."""
         scores = self.model.scores(feature_matrix(evidence), weights)
         return np.searchsorted(self.score_edges, scores, side="right")
 

@@ -77,6 +77,7 @@ def cft_loss(model, batch: dict[str, torch.Tensor], extra: dict[str, Any]):
     wrapper = BlockDiffusionLM(
         module, mask_id=int(extra["mask_id"]), block_size=int(d["block_size"]), mask_schedule=d["mask_schedule"],
         mask_eps=float(d["mask_eps"]), loss_weighting=d["loss_weighting"],
+        suffix_mask_prob=float(d.get("suffix_mask_prob", 0.0)),
     )
     dbatch = diffusion_batch_from_rows(batch, int(extra["pad_id"]))
     out = wrapper.diffusion_loss(dbatch)

@@ -97,6 +97,7 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
     policy = BlockDiffusionLM(
         engine.module, mask_id=int(extra["mask_id"]), block_size=int(diffusion["block_size"]),
         mask_schedule=diffusion["mask_schedule"], mask_eps=float(diffusion["mask_eps"]),
+        suffix_mask_prob=float(diffusion.get("suffix_mask_prob", 0.0)),
     )
     start_step, history = resume_from_ray_checkpoint(engine, job, rank)
 
@@ -121,6 +122,7 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
             temperature=rollout_cfg.temperature, mask_id=int(extra["mask_id"]), eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id, stop_ids=list(extra["stop_ids"]), batch_size=rollout_cfg.batch_size,
             device="cuda" if cfg.use_gpu and rollout_cfg.num_gpus_per_actor > 0 else "cpu",
+            commit_order=str(diffusion.get("commit_order", "confidence")),
         )
         pool = RolloutPool(spec, rollout_cfg, initial_weights=weights, initial_version=start_step)
     del weights

@@ -72,7 +72,8 @@ def opd_loss(
         predicted = (replay.steps >= k) & supervised
         noisy = replay.state_before(k, student.mask_id)
     elif settings.student_mask == "random":
-        predicted, _ = sample_block_masks(supervised, student.block_size, student.mask_schedule, student.mask_eps, generator)
+        predicted, _ = sample_block_masks(supervised, student.block_size, student.mask_schedule, student.mask_eps, generator,
+                                          suffix_prob=student.suffix_mask_prob)
         noisy = torch.where(predicted, torch.full_like(batch.completion_ids, student.mask_id), batch.completion_ids)
     else:
         raise ValueError(f"unknown student_mask {settings.student_mask!r}; choose replay or random")
