@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=8, help="max denoising steps per block")
     p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--commit-order", choices=["confidence", "left_to_right"], default="confidence",
+                   help="which slots a step may commit (dgr2.decoding.commit)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
@@ -117,7 +119,7 @@ def run_cell(model, prompts, length: int, batch_size: int, mask_id: int, args, r
         runs["ar"].append(ar_generate(model, prompts, **common))
         runs["diffusion"].append(diffusion_generate(
             model, prompts, block_size=args.block_size, max_steps_per_block=args.steps, threshold=args.threshold,
-            mask_id=mask_id, **common,
+            mask_id=mask_id, commit_order=args.commit_order, **common,
         ))
     for name, outs in runs.items():
         lengths = {len(s) for out in outs for s in out.sequences}
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ),
         "settings": {
             "device": args.device, "dtype": args.dtype, "block_size": args.block_size, "steps": args.steps,
-            "threshold": args.threshold, "prompt_len": args.prompt_len, "batches": args.batches,
+            "threshold": args.threshold, "commit_order": args.commit_order, "prompt_len": args.prompt_len, "batches": args.batches,
             "repeats": args.repeats, "statistic": args.statistic, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "host": platform.node(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

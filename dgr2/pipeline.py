@@ -610,8 +610,10 @@ def run_report(
 COMMIT_ORDER_TAGS = {"confidence": "conf", "left_to_right": "l2r"}
 
 
-def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOutput, final: StageOutput, work: Path) -> dict[str, Any]:
-    """Accuracy and tokens/s of the final diffusion model over thresholds, AR measured alongside."""
+def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOutput, final: StageOutput, work: Path,
+               label: str = "rl") -> dict[str, Any]:
+    """Accuracy and tokens/s of the final diffusion model (rows ``<label>_...``) over thresholds
+    and commit orders, AR measured alongside."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -628,7 +630,7 @@ def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOut
     orders = cfg.eval.commit_order_sweep or [cfg.diffusion.commit_order]
     for order in orders:
         for tau in cfg.eval.tau_sweep:
-            name = f"rl_tau{tau:g}" if len(orders) == 1 else f"rl_{COMMIT_ORDER_TAGS[order]}_tau{tau:g}"
+            name = f"{label}_tau{tau:g}" if len(orders) == 1 else f"{label}_{COMMIT_ORDER_TAGS[order]}_tau{tau:g}"
             rows[name] = evaluate_model(cfg, data, vocab, final.file("model"), final.file("tokenizer"), "diffusion",
                                         name, sweep_dir, [split], threshold=tau, commit_order=order)[split]
             if cfg.eval.latency_examples:
@@ -643,7 +645,7 @@ def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOut
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for name, row in rows.items():
         ax.scatter(row["tokens_per_s"], row["ndcg@10"], label=name, s=40 if name == "ar_sft" else 25)
-        ax.annotate(name.replace("rl_", ""), (row["tokens_per_s"], row["ndcg@10"]), fontsize=8)
+        ax.annotate(name.replace(f"{label}_", ""), (row["tokens_per_s"], row["ndcg@10"]), fontsize=8)
     ax.set_xlabel("decode tokens/s (same machine, same prompts)")
     ax.set_ylabel(f"NDCG@10 ({split}, strict)")
     ax.set_title("speed / accuracy over tau")

@@ -41,7 +41,8 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
     recipe = json.loads(first["report"].file("test_json").read_text())["rows"]
     assert {"popularity", "ar_sft", "naive", "mdm", "cft", "opd", "rl"} <= set(recipe)
     tau = json.loads(first["report"].file("tau_json").read_text())["rows"]
-    assert {"ar_sft", "rl_tau1", "rl_tau0.5"} <= set(tau)
+    # the tiny profile sweeps both commit orders at each tau
+    assert {"ar_sft", "rl_l2r_tau1", "rl_l2r_tau0.5", "rl_conf_tau1", "rl_conf_tau0.5"} <= set(tau)
     assert all(row["tokens_per_s_b1"] > 0 and row["speedup_vs_ar_b1"] > 0 for row in tau.values())
     for name in ("opd", "rl"):  # online stages: one policy version per step, all trajectories on-policy
         history = json.loads(first[name].file("history").read_text())
@@ -50,6 +51,8 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
         assert all(h["rollout/trajectories"] > 0 for h in history)
     register = first["register"].manifest["stats"]
     assert register["model_uri"] == "models:/dgr2-reranker/1"
+    bundle_meta = json.loads((first["register"].file("bundle") / "bundle.json").read_text())
+    assert bundle_meta["decoding"]["commit_order"] == "left_to_right"  # the serving default follows the profile
 
     second = flow.main(args + ["--run-name", "second"])
     assert all(out.cached for out in second.values())

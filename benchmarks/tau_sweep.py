@@ -1,0 +1,54 @@
+"""Speed/accuracy sweep (tau x commit order) of any completed diffusion stage, AR alongside.
+
+The report stage runs this sweep on the final (RL) model; this script runs the same code on
+another stage (e.g. CFT) without running the rest of the recipe:
+
+    .venv/bin/python benchmarks/tau_sweep.py --config default --stage runs/stages/cft/<key> \\
+        --out benchmarks/results/<name> [--set eval.tau_sweep=[1.0,0.9] ...]
+
+Rows are measured side by side in one run (batch ``eval.batch_size`` and batch 1), so the
+speed-up column compares decoders under the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dgr2.config import load_config  # noqa: E402
+from dgr2.pipeline import _tau_sweep, run_data, run_sft, run_traces, run_vocab  # noqa: E402
+from dgr2.stage_store import StageStore  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="default")
+    p.add_argument("--stage", type=Path, required=True, help="completed diffusion stage folder (cft, opd, rl)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="dotted config override")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    store = StageStore(Path(cfg.pipeline.runs_dir) / "stages")
+    data = run_data(cfg, store)
+    vocab = run_vocab(cfg, store, data)
+    traces = run_traces(cfg, store, data, vocab)
+    sft = run_sft(cfg, store, vocab, traces)  # cached: the sweep never trains
+    path = args.stage.resolve()
+    final = StageStore(path.parent.parent).lookup(path.parent.name, path.name)
+    if final is None:
+        raise SystemExit(f"{path} is not a completed stage")
+    args.out.mkdir(parents=True, exist_ok=True)
+    sweep = _tau_sweep(cfg, data, vocab, sft, final, args.out, label=path.parent.name)
+    keep = ("ndcg@10", "recall@1", "valid_rate", "tokens_per_s", "tokens_per_forward", "tokens_per_s_b1",
+            "speedup_vs_ar", "speedup_vs_ar_b1")
+    summary = {name: {k: round(row[k], 4) for k in keep if k in row} for name, row in sweep["rows"].items()}
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
