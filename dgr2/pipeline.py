@@ -88,19 +88,21 @@ def load_split(data: StageOutput, split: str) -> list[dict[str, Any]]:
     return pq.read_table(data.file(split)).to_pylist()
 
 
-def item_counts(data: StageOutput) -> dict[str, int]:
+def _item_stats_column(data: StageOutput, column: str) -> dict[str, int]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(data.file("item_stats"), columns=["item_id", "train_count"])
-    return dict(zip(table.column("item_id").to_pylist(), table.column("train_count").to_pylist()))
+    table = pq.read_table(data.file("item_stats"), columns=["item_id", column])
+    return dict(zip(table.column("item_id").to_pylist(), table.column(column).to_pylist()))
+
+
+def item_counts(data: StageOutput) -> dict[str, int]:
+    """Train interactions of each item (the popularity baseline's key)."""
+    return _item_stats_column(data, "train_count")
 
 
 def item_pop_buckets(data: StageOutput) -> dict[str, int]:
     """The popularity bucket the data stage gave each item (prompts must show exactly these)."""
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(data.file("item_stats"), columns=["item_id", "pop_bucket"])
-    return dict(zip(table.column("item_id").to_pylist(), table.column("pop_bucket").to_pylist()))
+    return _item_stats_column(data, "pop_bucket")
 
 
 # --------------------------------------------------------------------------- vocab
@@ -116,8 +118,7 @@ def run_vocab(cfg: Config, store: StageStore, data: StageOutput, **_) -> StageOu
     def build(work: Path) -> dict[str, Any]:
         raw = load_raw_dataset(Path(cfg.data.path))
         sids = build_semantic_ids(raw.keywords, levels=cfg.sid.levels)
-        buckets = item_pop_buckets(data)
-        catalog = ItemCatalog(sids, {item: int(buckets.get(item, 0)) for item in sids.codes})
+        catalog = ItemCatalog.from_buckets(sids, item_pop_buckets(data))
         catalog.save(work / "catalog.json")
         tokenizer = build_tokenizer(sids.tokens(), work / "tokenizer")
         return {

@@ -209,7 +209,7 @@ class Reranker:
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
-        self.defaults = self._defaults()
+        self.defaults, self.commit_order = self._defaults()
         self._lock = threading.Lock()
 
     @classmethod
@@ -233,18 +233,19 @@ class Reranker:
         if missing:
             raise BundleError(f"bundle {self.bundle.source}: {len(missing)} catalog SID tokens are not in the tokenizer, e.g. {missing[:5]}")
 
-    def _defaults(self) -> DecodeParams:
+    def _defaults(self) -> tuple[DecodeParams, str]:
+        """Decoding defaults and the commit order: built-in fallback < bundle < deployment settings."""
         merged = dict(FALLBACK_DECODING)
         for source in (self.bundle.meta.decoding, self.settings.decoding):
             merged.update({k: v for k, v in source.model_dump().items() if v is not None})
         merged["max_new_tokens"] = min(int(merged["max_new_tokens"]), self.settings.max_new_tokens_cap)
-        self.commit_order = str(merged["commit_order"])
+        order = str(merged["commit_order"])
         if self.kind == "ar":
-            return DecodeParams(None, None, merged["max_new_tokens"])
+            return DecodeParams(None, None, merged["max_new_tokens"]), order
         assert self.block_size is not None
         steps = min(int(merged["max_steps_per_block"]), self.block_size)
         threshold = max(float(merged["threshold"]), self.settings.min_threshold)
-        return DecodeParams(threshold, steps, merged["max_new_tokens"])
+        return DecodeParams(threshold, steps, merged["max_new_tokens"]), order
 
     def info(self) -> dict[str, Any]:
         """What ``GET /v1/model`` shows."""

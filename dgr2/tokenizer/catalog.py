@@ -56,6 +56,11 @@ class ItemCatalog:
         """
         return cls(sids, popularity_buckets({item: int(counts.get(item, 0)) for item in sids.codes}))
 
+    @classmethod
+    def from_buckets(cls, sids: SemanticIds, buckets: Mapping[str, int]) -> "ItemCatalog":
+        """Catalog with the buckets the data stage stored (``item_stats.pop_bucket``; 0 if absent)."""
+        return cls(sids, {item: int(buckets.get(item, 0)) for item in sids.codes})
+
     def __contains__(self, item: object) -> bool:
         return item in self.sids.codes
 

@@ -54,7 +54,7 @@ def trace_fidelity(
     errors: Counter[str] = Counter()
     nonzero: Counter[str] = Counter()
     nonzero_errors: Counter[str] = Counter()
-    lines_total = lines_written = code_scored = recent_total = 0
+    lines_total = lines_written = recent_total = 0
     faithful = sort_total = sort_consistent = examples_seen = 0
     for example, completion in zip(examples, completions, strict=True):
         examples_seen += 1
@@ -79,10 +79,8 @@ def trace_fidelity(
                 if field in ("a", "crowd") and value >= 1:
                     nonzero[field] += 1
                     nonzero_errors[field] += wrong
-            if line["code_a"] is not None:
-                code_scored += 1
-                errors["code_a"] += line["code_a"] != cand.code_a
-                all_right &= line["code_a"] == cand.code_a
+            errors["code_a"] += line["code_a"] != cand.code_a
+            all_right &= line["code_a"] == cand.code_a
             errors["score_vs_teacher"] += line["score"] != int(digit)
         recent = _RECENT.search(completion)
         if evidence.recent is not None:
@@ -97,7 +95,7 @@ def trace_fidelity(
     if not examples_seen:
         raise ValueError("trace_fidelity needs at least one example")
     out = {f"{field}_error": errors[field] / max(lines_written, 1) for field in ("a", "r", "crowd", "pop", "score_vs_teacher")}
-    out["code_a_error"] = errors["code_a"] / code_scored if code_scored else float("nan")
+    out["code_a_error"] = errors["code_a"] / max(lines_written, 1)
     out.update({f"{field}_error_when_nonzero": nonzero_errors[field] / max(nonzero[field], 1) for field in ("a", "crowd")})
     out["line_missing"] = errors["line_missing"] / max(lines_total, 1)
     out["recent_error"] = errors["recent"] / max(recent_total, 1)

@@ -53,8 +53,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     raw = load_raw_dataset(Path(data_cfg.path))
     stats = prepared.load_item_stats()
     buckets = dict(zip(stats.column("item_id").to_pylist(), stats.column("pop_bucket").to_pylist()))
-    sids = build_semantic_ids(raw.keywords, SidConfig().levels)
-    catalog = ItemCatalog(sids, {item: int(buckets.get(item, 0)) for item in sids.codes})
+    catalog = ItemCatalog.from_buckets(build_semantic_ids(raw.keywords, SidConfig().levels), buckets)
     train = prepared.examples("train")
     teacher = RuleTeacher.fit(catalog, train, weight_noise=trace_cfg.weight_noise, max_count=trace_cfg.max_count)
     valid = prepared.examples("valid")[: args.valid]
