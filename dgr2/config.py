@@ -226,10 +226,15 @@ class TrackingConfig(_Strict):
 
 
 class PipelineConfig(_Strict):
-    """Where runs live (stage caches, run folders, the local MLflow store).  Which stages run is
-    a command-line choice (``--stages`` / ``--from``), not part of the run's identity."""
+    """Where runs live (stage caches, run folders, the local MLflow store) and which optional
+    comparison stages run.  Which of the other stages run is a command-line choice
+    (``--stages`` / ``--from``), not part of the run's identity."""
 
     runs_dir: Path = DEFAULT_RUNS_DIR
+    # rows of the recipe table that are comparisons, not steps of the recipe: ``ar_rl`` (GRPO on
+    # the AR model, the GR2 stage) and ``mdm`` (generic masked-denoising conversion).  Each costs
+    # a training stage plus an evaluation; the 15-minute default profile leaves them out.
+    ablations: list[Literal["ar_rl", "mdm"]] = ["ar_rl", "mdm"]
 
 
 class Config(_Strict):

@@ -52,12 +52,23 @@ STAGE_ORDER = list(STAGE_INPUTS)
 TRACKED_STAGES = ("sft", "ar_rl", "mdm", "cft", "opd", "rl", "register")
 
 
-def _key(stage: str, cfg: Config, sections: tuple[str, ...], inputs: list[StageOutput]) -> str:
-    payload = {
-        "config": {s: getattr(cfg, s).model_dump(mode="json") for s in sections},
-        "inputs": {o.stage: o.key for o in inputs},
-    }
+def _key(stage: str, cfg: Config, sections: tuple[str, ...], inputs: list[StageOutput],
+         replace: dict[str, dict[str, Any]] | None = None) -> str:
+    """The cache key of ``stage``: its code version, the config sections it reads (``replace``
+    swaps in a section as the stage actually uses it) and its inputs' keys."""
+    config = {s: getattr(cfg, s).model_dump(mode="json") for s in sections}
+    config.update(replace or {})
+    payload = {"config": config, "inputs": {o.stage: o.key for o in inputs}}
     return stage_key(stage, STAGE_VERSIONS[stage], payload)
+
+
+def _cft_section(cfg: Config, steps: int) -> dict[str, Any]:
+    """The CFT training settings as a stage trains with them: CFT itself runs ``cft.max_steps``,
+    the generic-MDM ablation ``cft.generic_steps``; neither key moves when the other's count does."""
+    section = cfg.cft.model_dump(mode="json")
+    section.pop("generic_steps")
+    section["max_steps"] = steps
+    return section
 
 
 # --------------------------------------------------------------------------- data
@@ -443,7 +454,8 @@ def run_mdm(
     answers) - the conversion adapts to bidirectional blocks without learning the output structure."""
     from dgr2.train.batches import write_tokenized
 
-    key = _key("mdm", cfg, ("model", "cft", "diffusion", "eval"), [data, vocab, sft])
+    key = _key("mdm", cfg, ("model", "diffusion", "eval"), [data, vocab, sft],
+               replace={"cft": _cft_section(cfg, cfg.cft.generic_steps)})
 
     def build(work: Path) -> dict[str, Any]:
         import pyarrow as pa
@@ -467,7 +479,8 @@ def run_cft(
     mlflow_uri: str | None = None, mlflow_run_id: str | None = None, **_,
 ) -> StageOutput:
     """Conversion fine-tuning: the block-diffusion loss on the teacher trajectories (trace + answer)."""
-    key = _key("cft", cfg, ("model", "cft", "diffusion", "eval"), [data, vocab, traces, sft])
+    key = _key("cft", cfg, ("model", "diffusion", "eval"), [data, vocab, traces, sft],
+               replace={"cft": _cft_section(cfg, cfg.cft.max_steps)})
 
     def build(work: Path) -> dict[str, Any]:
         return _cft_loss_stage("cft", cfg, cfg.cft, work, data, vocab, sft, traces.file("tokens"), mlflow_uri, mlflow_run_id)
@@ -580,13 +593,16 @@ REPORT_ROWS = [("ar_sft", "eval"), ("ar_sft_rl", "ar_rl"), ("naive", "naive"), (
 
 def run_report(
     cfg: Config, store: StageStore, data: StageOutput, vocab: StageOutput, sft: StageOutput, evals: StageOutput,
-    ar_rl: StageOutput, naive: StageOutput, mdm: StageOutput, cft: StageOutput, opd: StageOutput, rl: StageOutput, **_,
+    ar_rl: StageOutput | None, naive: StageOutput, mdm: StageOutput | None, cft: StageOutput, opd: StageOutput,
+    rl: StageOutput, **_,
 ) -> StageOutput:
     """The recipe's table (baselines, AR, every diffusion stage), the tau speed/accuracy sweep of
-    the final model next to the AR model, and the stage curves."""
+    the final model next to the AR model, and the stage curves.  ``ar_rl`` and ``mdm`` are None
+    when ``pipeline.ablations`` leaves them out; their rows are then absent."""
     from dgr2.eval.report import write_results_table
 
     stages = {"eval": evals, "ar_rl": ar_rl, "naive": naive, "mdm": mdm, "cft": cft, "opd": opd, "rl": rl}
+    stages = {k: v for k, v in stages.items() if v is not None}
     key = _key("report", cfg, ("eval", "diffusion"), [data, vocab, sft, *stages.values()])
 
     def build(work: Path) -> dict[str, Any]:
@@ -596,6 +612,8 @@ def run_report(
             base = evals.manifest["stats"]["tables"][split]
             rows = {k: v for k, v in base.items() if k != "ar_sft"}
             for name, source in REPORT_ROWS:
+                if source not in stages:
+                    continue
                 out = stages[source]
                 rows[name] = base["ar_sft"] if source == "eval" else out.manifest["stats"]["eval"][split]
             files = write_results_table(rows, work, f"Diffusion-GR2 recipe, Amazon Beauty {split}", stem=f"recipe_{split}")
@@ -700,15 +718,20 @@ STAGE_FUNCTIONS = {
 }
 
 
-def closure(stages: list[str]) -> list[str]:
-    """The stages to resolve for ``stages``: them plus everything they read, in pipeline order."""
+OPTIONAL_STAGES = ("ar_rl", "mdm")  # comparison rows, switched by ``pipeline.ablations``
+
+
+def closure(stages: list[str], ablations: list[str] | tuple[str, ...] = OPTIONAL_STAGES) -> list[str]:
+    """The stages to resolve for ``stages``: them plus everything they read, in pipeline order;
+    an optional comparison stage not in ``ablations`` is left out (its readers get None)."""
+    off = set(OPTIONAL_STAGES) - set(ablations)
     needed: set[str] = set()
     todo = list(stages)
     while todo:
         name = todo.pop()
         if name not in STAGE_INPUTS:
             raise KeyError(f"unknown stage {name!r}; stages are {STAGE_ORDER}")
-        if name not in needed:
+        if name not in needed and name not in off:
             needed.add(name)
             todo.extend(STAGE_INPUTS[name])
     return [s for s in STAGE_ORDER if s in needed]

@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> dict[str, StageOutput]:
     args = parse_args(argv)
     cfg: Config = load_config(args.config, args.overrides)
     wanted = selected_stages(args)
+    switched_off = sorted(set(pipeline.OPTIONAL_STAGES) - set(cfg.pipeline.ablations))
+    if args.stages and set(wanted) & set(switched_off):
+        raise SystemExit(f"--stages: {sorted(set(wanted) & set(switched_off))} switched off by pipeline.ablations="
+                         f"{cfg.pipeline.ablations}; add them (--set 'pipeline.ablations=[ar_rl,mdm]') to run them")
     runs_dir = Path(cfg.pipeline.runs_dir).resolve()
     run_name = args.run_name or f"{cfg.profile}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     run_dir = runs_dir / run_name
@@ -123,8 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, StageOutput]:
 
         # the selected stages plus what they read (resolved from the cache, or built)
         force = set(wanted) if args.force else set()
-        for name in pipeline.closure(wanted):
-            inputs = [outputs[i] for i in pipeline.STAGE_INPUTS[name]]
+        for name in pipeline.closure(wanted, cfg.pipeline.ablations):
+            inputs = [outputs.get(i) for i in pipeline.STAGE_INPUTS[name]]
             stage(name, _forced(pipeline.STAGE_FUNCTIONS[name], name in force), *inputs)
         summary = {
             "run_name": run_name,

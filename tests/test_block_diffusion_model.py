@@ -175,3 +175,17 @@ def test_checkpoint_round_trip(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.shifted_logits(batch, batch.completion_ids),
                                    model.shifted_logits(batch, batch.completion_ids))
+
+
+def test_shifted_logits_at_selected_positions_match_the_full_tensor():
+    """The RL replay's memory-saving path (LM head on chosen rows only) gives the same numbers."""
+    torch.manual_seed(0)
+    model = BlockDiffusionLM(tiny_ar(), mask_id=MASK, block_size=4)
+    batch = sample_batch()
+    noisy = batch.completion_ids.clone()
+    noisy[:, 1::2] = MASK
+    full = model.shifted_logits(batch, noisy)
+    pick = torch.zeros(batch.completion_ids.shape, dtype=torch.bool)
+    pick[0, [0, batch.completion_ids.shape[1] - 1]] = True
+    pick[-1, 1] = True
+    assert torch.allclose(model.shifted_logits(batch, noisy, positions=pick), full[pick], atol=1e-5)

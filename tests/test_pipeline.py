@@ -74,3 +74,53 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
 
     bundle = load_bundle("models:/dgr2-reranker/1")  # the registered final model, as Serve loads it
     assert bundle.meta.kind == "diffusion" and bundle.meta.has_ar_model
+
+
+def test_ablations_switch_leaves_comparison_stages_out_of_the_closure():
+    from dgr2.pipeline import OPTIONAL_STAGES, closure
+
+    full = closure(["report"])
+    assert set(OPTIONAL_STAGES) <= set(full)
+    lean = closure(["report"], ablations=[])
+    assert not set(OPTIONAL_STAGES) & set(lean)
+    assert {"cft", "opd", "rl", "naive", "report"} <= set(lean)
+    assert closure(["report"], ablations=["ar_rl"]) == [s for s in full if s != "mdm"]
+
+
+def test_default_profile_is_the_lean_recipe_and_beauty_the_measured_one():
+    default, beauty, tiny = load_config("default"), load_config("beauty"), load_config("tiny")
+    assert default.pipeline.ablations == [] and tiny.pipeline.ablations == ["ar_rl", "mdm"]
+    assert default.sft.max_steps < beauty.sft.max_steps and default.cft.max_steps < beauty.cft.max_steps
+    # the lean profile changes step counts and evaluation size, not the model or the trace grammar
+    assert default.model == beauty.model and default.traces == beauty.traces and default.diffusion == beauty.diffusion
+
+
+def test_flow_refuses_a_switched_off_stage_by_name(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("full_pipeline", Path(__file__).parent.parent / "flows" / "full_pipeline.py")
+    flow = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flow)
+    with pytest.raises(SystemExit, match="pipeline.ablations"):
+        flow.main(["--config", "default", "--stages", "mdm", "--set", f"pipeline.runs_dir={tmp_path}"])
+    assert not any(tmp_path.iterdir())  # refused before a run folder was made
+
+
+def test_cft_and_mdm_keys_each_follow_only_their_own_step_count():
+    from dgr2.pipeline import _cft_section, _key
+    from dgr2.stage_store import StageOutput
+
+    cfg = load_config("tiny")
+    inputs = [StageOutput("sft", "k0", None, {}, cached=True)]
+
+    def keys(c):
+        cft = _key("cft", c, ("model",), inputs, replace={"cft": _cft_section(c, c.cft.max_steps)})
+        mdm = _key("mdm", c, ("model",), inputs, replace={"cft": _cft_section(c, c.cft.generic_steps)})
+        return cft, mdm
+
+    base = keys(cfg)
+    more_generic = keys(load_config("tiny", ["cft.generic_steps=5"]))
+    more_cft = keys(load_config("tiny", ["cft.max_steps=9"]))
+    assert more_generic[0] == base[0] and more_generic[1] != base[1]
+    assert more_cft[1] == base[1] and more_cft[0] != base[0]

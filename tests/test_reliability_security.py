@@ -40,7 +40,7 @@ def _leaks(text: str, values: dict[str, str]) -> list[str]:
 
 
 def test_flattened_config_params_hold_no_secret_values(secret_env):
-    for profile in ("tiny", "default", "paper"):
+    for profile in ("tiny", "default", "beauty", "paper"):
         cfg = load_config(profile)
         for dump in (cfg.model_dump(), cfg.model_dump(mode="json")):
             params = tracking.flatten(dump)

@@ -234,19 +234,32 @@ class BlockDiffusionLM(nn.Module):
             logit_columns=logit_columns,
         )
 
-    def shifted_logits(self, batch: DiffusionBatch, noisy_ids: torch.Tensor) -> torch.Tensor:
+    def shifted_logits(
+        self, batch: DiffusionBatch, noisy_ids: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``(batch, Lc, vocab)``: the model's prediction for each completion token given the
-        clean earlier blocks and the noisy version of its own block (one forward pass)."""
+        clean earlier blocks and the noisy version of its own block (one forward pass).
+
+        ``positions`` (bool ``(batch, Lc)``) returns only those rows, ``(n, vocab)``: the LM head
+        then runs on n hidden states instead of batch * Lc, which is what keeps the RL replay
+        (one graph per unmasking step, each scoring a few committed tokens) from holding a
+        full-vocabulary tensor per step.
+        """
         layout = self.training_layout(batch, noisy_ids)
         mask = additive_mask(allowed_attention(layout.tokens, layout.tokens), self.ar.dtype)
-        out = self.ar(
-            input_ids=layout.input_ids,
-            attention_mask=mask,
-            position_ids=layout.position_ids,
-            use_cache=False,
-            logits_to_keep=layout.logit_columns,
-        )
-        return out.logits
+        if positions is None:
+            out = self.ar(
+                input_ids=layout.input_ids,
+                attention_mask=mask,
+                position_ids=layout.position_ids,
+                use_cache=False,
+                logits_to_keep=layout.logit_columns,
+            )
+            return out.logits
+        hidden = self.ar.get_decoder()(
+            input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False,
+        ).last_hidden_state
+        return self.ar.get_output_embeddings()(hidden[:, layout.logit_columns][positions])
 
     # ------------------------------------------------------------------ objective
     def forward(self, batch: DiffusionBatch, generator: torch.Generator | None = None) -> DiffusionLossOutput:

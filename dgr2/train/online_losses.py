@@ -146,15 +146,15 @@ def rl_policy_loss(
         if not bool(sel.any()):
             continue
         noisy = replay.state_before(torch.full_like(replay.steps, k), policy.mask_id)
-        logits = policy.shifted_logits(batch, noisy)
+        logits = policy.shifted_logits(batch, noisy, positions=sel)  # (n committed at step k, vocab)
         logp = (without_mask_token(logits, policy.mask_id) / settings.temperature).log_softmax(-1)
-        new = logp.gather(-1, batch.completion_ids[..., None]).squeeze(-1)
-        ratio = (new - replay.old_logprobs).exp()
-        a = adv.expand_as(ratio)
+        new = logp.gather(-1, batch.completion_ids[sel][:, None]).squeeze(-1)
+        ratio = (new - replay.old_logprobs[sel]).exp()
+        a = adv.expand_as(replay.old_logprobs)[sel]
         pg = -torch.minimum(ratio * a, ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high) * a)
-        total = total + pg[sel].sum()
+        total = total + pg.sum()
         with torch.no_grad():
-            r = ratio[sel]
+            r = ratio
             clipped += float(((r < 1 - settings.clip_low) | (r > 1 + settings.clip_high)).float().sum())
             ratio_sum += float(r.sum())
             counted += int(sel.sum())
