@@ -233,7 +233,7 @@ class PipelineConfig(_Strict):
     runs_dir: Path = DEFAULT_RUNS_DIR
     # rows of the recipe table that are comparisons, not steps of the recipe: ``ar_rl`` (GRPO on
     # the AR model, the GR2 stage) and ``mdm`` (generic masked-denoising conversion).  Each costs
-    # a training stage plus an evaluation; the 15-minute default profile leaves them out.
+    # a training stage plus an evaluation; the default profile leaves them out.
     ablations: list[Literal["ar_rl", "mdm"]] = ["ar_rl", "mdm"]
 
 

@@ -62,13 +62,18 @@ def _key(stage: str, cfg: Config, sections: tuple[str, ...], inputs: list[StageO
     return stage_key(stage, STAGE_VERSIONS[stage], payload)
 
 
-def _cft_section(cfg: Config, steps: int) -> dict[str, Any]:
-    """The CFT training settings as a stage trains with them: CFT itself runs ``cft.max_steps``,
-    the generic-MDM ablation ``cft.generic_steps``; neither key moves when the other's count does."""
-    section = cfg.cft.model_dump(mode="json")
+def _cft_section(train_cfg) -> dict[str, Any]:
+    """The key section of a stage trained with the CFT loss: the settings it trains with, less
+    ``generic_steps`` (CFT runs ``cft.max_steps``, the generic-MDM ablation ``cft.generic_steps``
+    through :func:`_mdm_train_cfg`), so neither key moves when the other's step count does."""
+    section = train_cfg.model_dump(mode="json")
     section.pop("generic_steps")
-    section["max_steps"] = steps
     return section
+
+
+def _mdm_train_cfg(cfg: Config):
+    """The generic-MDM ablation trains with the CFT settings for ``cft.generic_steps`` steps."""
+    return cfg.cft.model_copy(update={"max_steps": cfg.cft.generic_steps})
 
 
 # --------------------------------------------------------------------------- data
@@ -454,8 +459,8 @@ def run_mdm(
     answers) - the conversion adapts to bidirectional blocks without learning the output structure."""
     from dgr2.train.batches import write_tokenized
 
-    key = _key("mdm", cfg, ("model", "diffusion", "eval"), [data, vocab, sft],
-               replace={"cft": _cft_section(cfg, cfg.cft.generic_steps)})
+    train_cfg = _mdm_train_cfg(cfg)
+    key = _key("mdm", cfg, ("model", "diffusion", "eval"), [data, vocab, sft], replace={"cft": _cft_section(train_cfg)})
 
     def build(work: Path) -> dict[str, Any]:
         import pyarrow as pa
@@ -465,7 +470,6 @@ def run_mdm(
         table = pa.table({"input_ids": pa.array([r["prompt_ids"] for r in rows], type=pa.list_(pa.int32())),
                           "prompt_len": pa.array([1] * len(rows), type=pa.int32())})  # "<s>" is the prompt
         write_tokenized(table, work / "generic_tokens.parquet")
-        train_cfg = cfg.cft.model_copy(update={"max_steps": cfg.cft.generic_steps})
         manifest = _cft_loss_stage("mdm", cfg, train_cfg, work, data, vocab, sft, work / "generic_tokens.parquet",
                                    mlflow_uri, mlflow_run_id)
         (work / "generic_tokens.parquet").unlink()
@@ -480,7 +484,7 @@ def run_cft(
 ) -> StageOutput:
     """Conversion fine-tuning: the block-diffusion loss on the teacher trajectories (trace + answer)."""
     key = _key("cft", cfg, ("model", "diffusion", "eval"), [data, vocab, traces, sft],
-               replace={"cft": _cft_section(cfg, cfg.cft.max_steps)})
+               replace={"cft": _cft_section(cfg.cft)})
 
     def build(work: Path) -> dict[str, Any]:
         return _cft_loss_stage("cft", cfg, cfg.cft, work, data, vocab, sft, traces.file("tokens"), mlflow_uri, mlflow_run_id)
@@ -721,10 +725,15 @@ STAGE_FUNCTIONS = {
 OPTIONAL_STAGES = ("ar_rl", "mdm")  # comparison rows, switched by ``pipeline.ablations``
 
 
+def switched_off(ablations: list[str] | tuple[str, ...]) -> set[str]:
+    """The optional comparison stages that ``pipeline.ablations`` leaves out."""
+    return set(OPTIONAL_STAGES) - set(ablations)
+
+
 def closure(stages: list[str], ablations: list[str] | tuple[str, ...] = OPTIONAL_STAGES) -> list[str]:
     """The stages to resolve for ``stages``: them plus everything they read, in pipeline order;
     an optional comparison stage not in ``ablations`` is left out (its readers get None)."""
-    off = set(OPTIONAL_STAGES) - set(ablations)
+    off = switched_off(ablations)
     needed: set[str] = set()
     todo = list(stages)
     while todo:

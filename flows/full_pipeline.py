@@ -83,9 +83,9 @@ def main(argv: list[str] | None = None) -> dict[str, StageOutput]:
     args = parse_args(argv)
     cfg: Config = load_config(args.config, args.overrides)
     wanted = selected_stages(args)
-    switched_off = sorted(set(pipeline.OPTIONAL_STAGES) - set(cfg.pipeline.ablations))
-    if args.stages and set(wanted) & set(switched_off):
-        raise SystemExit(f"--stages: {sorted(set(wanted) & set(switched_off))} switched off by pipeline.ablations="
+    refused = sorted(set(wanted) & pipeline.switched_off(cfg.pipeline.ablations))
+    if args.stages and refused:
+        raise SystemExit(f"--stages: {refused} switched off by pipeline.ablations="
                          f"{cfg.pipeline.ablations}; add them (--set 'pipeline.ablations=[ar_rl,mdm]') to run them")
     runs_dir = Path(cfg.pipeline.runs_dir).resolve()
     run_name = args.run_name or f"{cfg.profile}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"

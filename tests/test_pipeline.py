@@ -108,15 +108,15 @@ def test_flow_refuses_a_switched_off_stage_by_name(tmp_path):
 
 
 def test_cft_and_mdm_keys_each_follow_only_their_own_step_count():
-    from dgr2.pipeline import _cft_section, _key
+    from dgr2.pipeline import _cft_section, _key, _mdm_train_cfg
     from dgr2.stage_store import StageOutput
 
     cfg = load_config("tiny")
     inputs = [StageOutput("sft", "k0", None, {}, cached=True)]
 
     def keys(c):
-        cft = _key("cft", c, ("model",), inputs, replace={"cft": _cft_section(c, c.cft.max_steps)})
-        mdm = _key("mdm", c, ("model",), inputs, replace={"cft": _cft_section(c, c.cft.generic_steps)})
+        cft = _key("cft", c, ("model",), inputs, replace={"cft": _cft_section(c.cft)})
+        mdm = _key("mdm", c, ("model",), inputs, replace={"cft": _cft_section(_mdm_train_cfg(c))})
         return cft, mdm
 
     base = keys(cfg)
