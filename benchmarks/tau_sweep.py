@@ -12,32 +12,24 @@ speed-up column compares decoders under the same load.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dgr2.config import load_config  # noqa: E402
-from dgr2.pipeline import _tau_sweep, run_data, run_sft, run_traces, run_vocab  # noqa: E402
+from benchmarks.stage_cli import stage_context, stage_parser  # noqa: E402
+from dgr2.pipeline import _tau_sweep, run_sft, run_traces  # noqa: E402
 from dgr2.stage_store import StageStore  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="default")
-    p.add_argument("--stage", type=Path, required=True, help="completed diffusion stage folder (cft, opd, rl)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="dotted config override")
-    args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    store = StageStore(Path(cfg.pipeline.runs_dir) / "stages")
-    data = run_data(cfg, store)
-    vocab = run_vocab(cfg, store, data)
+    args = stage_parser(__doc__).parse_args(argv)
+    ctx = stage_context(args)
+    cfg, store, data, vocab = ctx.cfg, ctx.store, ctx.data, ctx.vocab
     traces = run_traces(cfg, store, data, vocab)
     sft = run_sft(cfg, store, vocab, traces)  # cached: the sweep never trains
-    path = args.stage.resolve()
+    path = ctx.stage
     final = StageStore(path.parent.parent).lookup(path.parent.name, path.name)
     if final is None:
         raise SystemExit(f"{path} is not a completed stage")

@@ -139,6 +139,10 @@ class DiffusionConfig(_Strict):
     # which slots a step may commit (dgr2.decoding.commit): "confidence" = the paper's rule
     # (confident slots anywhere), "left_to_right" = the confident run from the leftmost masked slot
     commit_order: Literal["confidence", "left_to_right"] = "confidence"
+    # a masked slot whose proposal repeats its still-masked left neighbour's is not confident
+    # this step (dgr2.decoding.commit); measured on the beauty CFT model at tau 0.9: 69.0% -> 82.3%
+    # valid rankings, NDCG@10 0.612 -> 0.631, tokens a pass 2.38 -> 2.24
+    defer_repeats: bool = False
     mask_schedule: Literal["uniform", "linear", "cosine"] = "uniform"
     # Smallest mask ratio a training block can draw (t ~ schedule over [mask_eps, 1]).
     mask_eps: float = Field(1e-3, gt=0.0, lt=1.0)
@@ -193,9 +197,11 @@ class OpdConfig(TrainConfig):
     teacher_top_k: int | None = Field(None, ge=1)  # keep only the teacher's top-k (None = full)
     prompts_per_step: int = Field(16, ge=1)
     rollouts_per_prompt: int = Field(2, ge=1, le=64)
-    # which noisy state the student is scored in on its own rollout: "replay" = the state before
-    # a recorded decoding step (what its decoder saw); "random" = the training mask schedule
-    student_mask: Literal["replay", "random"] = "replay"
+    # which noisy state the student is scored in on its own rollout, and on which slots:
+    # "replay" = the state before a recorded decoding step (what its decoder saw), every slot
+    # still masked there; "committed" = the same state, only the slots the decoder committed at
+    # that step (each token judged where it was decided); "random" = the training mask schedule
+    student_mask: Literal["replay", "committed", "random"] = "replay"
 
 
 class RlConfig(TrainConfig):
@@ -210,6 +216,11 @@ class RlConfig(TrainConfig):
     echo_alpha: float = Field(0.2, ge=0.0, le=1.0)  # weight of the conditional format term
     # how many of a block's recorded unmasking steps are replayed per update (None = all)
     replay_steps: int | None = Field(None, ge=1)
+    # DAPO's dynamic-sampling filter, without the resampling: groups whose rollouts all got the
+    # same reward have zero advantage, contribute no gradient, and are left out of the replay
+    # (the token mean then runs over the groups that carry signal, as in DAPO).  Measured: with
+    # every rollout invalid the replay was 100 s of a 101 s step that changed nothing.
+    drop_zero_advantage: bool = True
 
 
 class ServeModelConfig(_Strict):

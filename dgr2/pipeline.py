@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # Bump a stage's version when its code changes what it writes (invalidates its cache).
 STAGE_VERSIONS = {
     "data": "3", "vocab": "5", "traces": "5", "sft": "1", "eval": "3",
-    "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "3", "register": "1", "ar_rl": "1",
+    "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "4", "register": "1", "ar_rl": "1",
 }
 # Each stage and the stages whose outputs it reads (the flow resolves these first).
 STAGE_INPUTS: dict[str, list[str]] = {
@@ -52,12 +52,21 @@ STAGE_ORDER = list(STAGE_INPUTS)
 TRACKED_STAGES = ("sft", "ar_rl", "mdm", "cft", "opd", "rl", "register")
 
 
+# Config fields added after stages were cached, with the value that reproduces the behaviour from
+# before they existed: at that value a field is left out of the key, so caches built before it
+# stay valid; any other value is part of the key.
+KEY_NEUTRAL_FIELDS: dict[tuple[str, str], Any] = {("diffusion", "defer_repeats"): False}
+
+
 def _key(stage: str, cfg: Config, sections: tuple[str, ...], inputs: list[StageOutput],
          replace: dict[str, dict[str, Any]] | None = None) -> str:
     """The cache key of ``stage``: its code version, the config sections it reads (``replace``
     swaps in a section as the stage actually uses it) and its inputs' keys."""
     config = {s: getattr(cfg, s).model_dump(mode="json") for s in sections}
     config.update(replace or {})
+    for (section, field), neutral in KEY_NEUTRAL_FIELDS.items():
+        if section in config and config[section].get(field, neutral) == neutral:
+            config[section].pop(field, None)
     payload = {"config": config, "inputs": {o.stage: o.key for o in inputs}}
     return stage_key(stage, STAGE_VERSIONS[stage], payload)
 
@@ -234,7 +243,8 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
     tau = d.confidence_threshold if threshold is None else threshold
     return lambda prompt_ids: diffusion_generate(
         model, prompt_ids, block_size=d.block_size, max_steps_per_block=d.max_steps_per_block, threshold=tau,
-        mask_id=mask_id_from_tokenizer(tokenizer), commit_order=commit_order or d.commit_order, **common,
+        mask_id=mask_id_from_tokenizer(tokenizer), commit_order=commit_order or d.commit_order,
+        defer_repeats=d.defer_repeats, **common,
     )
 
 
@@ -535,7 +545,7 @@ def run_opd(
 
 def _rl_extra(cfg: Config) -> dict[str, Any]:
     r = cfg.rl
-    return {"kind": "rl", "samples_per_prompt": r.group_size,
+    return {"kind": "rl", "samples_per_prompt": r.group_size, "drop_zero_advantage": r.drop_zero_advantage,
             "rl": {"clip_low": r.clip_eps, "clip_high": r.clip_eps_high, "temperature": cfg.rollout.temperature,
                    "replay_steps": r.replay_steps},
             "reward": {"invalid_reward": r.invalid_reward, "echo_alpha": r.echo_alpha}}
@@ -703,7 +713,8 @@ def run_register(
             work / "bundle", rl.file("model"), rl.file("tokenizer"), vocab.file("catalog"),
             name=cfg.serve_model.name, version=rl.key, kind="diffusion",
             decoding={"max_steps_per_block": d.max_steps_per_block, "threshold": d.confidence_threshold,
-                      "max_new_tokens": cfg.eval.max_new_tokens, "commit_order": d.commit_order},  # block size: model/block_diffusion.json
+                      "max_new_tokens": cfg.eval.max_new_tokens, "commit_order": d.commit_order,
+                      "defer_repeats": d.defer_repeats},  # block size: model/block_diffusion.json
             mlflow_run_id=mlflow_run_id, metrics=metrics, ar_model_dir=sft.file("model"),
         )
         stats: dict[str, Any] = {"metrics": metrics}

@@ -147,6 +147,19 @@ def test_left_to_right_commit_takes_the_confident_run_from_the_leftmost_masked_s
         commit_step(logits, masked, 0.9, steps_left=5, mask_id=2, order="random")
 
 
+@pytest.mark.parametrize("order", ["left_to_right", "confidence"])
+def test_threshold_one_commits_one_slot_even_when_float32_rounds_to_certainty(order):
+    from dgr2.decoding.commit import commit_step
+
+    logits = torch.tensor([[[0.0, -40.0, -40.0]] * 4])  # p(token 0) = 1 - 8e-18: exactly 1.0 in fp32
+    masked = torch.ones((1, 4), dtype=torch.bool)
+    commit, _, logp = commit_step(logits, masked, 1.0, steps_left=4, mask_id=2, order=order)
+    assert bool((logp.exp() == 1.0).all())  # the rounding the rule must not trust
+    assert commit.sum().item() == 1
+    below, _, _ = commit_step(logits, masked, 0.999, steps_left=4, mask_id=2, order=order)
+    assert below.sum().item() == 4
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_left_to_right_at_threshold_one_is_greedy_ar_decoding(arch):
     """With tau = 1 the left-to-right rule commits one slot a step in reading order: the block
@@ -166,3 +179,48 @@ def test_left_to_right_at_threshold_one_is_greedy_ar_decoding(arch):
                              max_steps_per_block=1, threshold=1.0, max_new_tokens=10, mask_id=MASK, eos_id=None,
                              pad_id=PAD, batch_size=3, commit_order="left_to_right")
     assert one.sequences == ar.sequences
+
+
+@pytest.mark.parametrize("order", ["left_to_right", "confidence"])
+def test_a_proposal_repeating_its_masked_left_neighbour_waits_a_pass(order):
+    from dgr2.decoding.commit import commit_step
+
+    def logits_for(tokens):  # confident (p ~ 1 - 1e-6) proposals of the given tokens, vocab 4, [MASK] = 3
+        out = torch.full((1, len(tokens), 4), -15.0)
+        for i, t in enumerate(tokens):
+            out[0, i, t] = 0.0
+        return out
+
+    masked = torch.ones((1, 3), dtype=torch.bool)
+    plain, _, _ = commit_step(logits_for([1, 1, 2]), masked, 0.9, steps_left=3, mask_id=3, order=order)
+    deferred, _, _ = commit_step(logits_for([1, 1, 2]), masked, 0.9, steps_left=3, mask_id=3, order=order,
+                                 defer_repeats=True)
+    assert plain.tolist() == [[True, True, True]]
+    # slot 1 repeats slot 0's proposal while slot 0 is masked: it waits; left to right stops there
+    assert deferred.tolist() == ([[True, False, False]] if order == "left_to_right" else [[True, False, True]])
+    # once the left neighbour is committed, the same repeat is a prediction from a known prefix
+    known = torch.tensor([[False, True, True]])
+    after, _, _ = commit_step(logits_for([1, 1, 2]), known, 0.9, steps_left=2, mask_id=3, order=order,
+                              defer_repeats=True)
+    assert after.tolist() == [[False, True, True]]
+    # slots that are not neighbours in the block (a subset of its columns) never defer each other
+    apart, _, _ = commit_step(logits_for([1, 1, 2]), masked, 0.9, steps_left=3, mask_id=3, order=order,
+                              defer_repeats=True, positions=torch.tensor([0, 2, 3]))
+    assert apart.tolist() == [[True, True, True]]
+    # the step floor still forces a slot: one step left, every masked slot commits
+    floor, _, _ = commit_step(logits_for([1, 1, 2]), masked, 0.9, steps_left=1, mask_id=3, order=order,
+                              defer_repeats=True)
+    assert floor.tolist() == [[True, True, True]]
+
+
+def test_deferred_repeats_match_between_cached_and_reference_decoders():
+    model = tiny_ar("qwen2")
+    changed = False
+    for threshold in (0.3, 0.9):
+        cached = run(diffusion_generate, model, threshold=threshold, max_steps_per_block=4, defer_repeats=True)
+        reference = run(diffusion_generate_uncached, model, threshold=threshold, max_steps_per_block=4,
+                        defer_repeats=True)
+        assert cached.sequences == reference.sequences and cached.unmask_steps == reference.unmask_steps
+        plain = run(diffusion_generate, model, threshold=threshold, max_steps_per_block=4)
+        changed |= plain.unmask_steps != cached.unmask_steps
+    assert changed  # the random model proposes adjacent repeats, so the rule did act

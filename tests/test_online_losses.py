@@ -119,6 +119,23 @@ def test_opd_loss_is_zero_when_student_equals_teacher_and_positive_otherwise():
     assert float(opd_loss(student, teacher, replay, OpdSettings())[0]) > 1e-3
 
 
+def test_committed_opd_distils_exactly_the_tokens_decided_at_the_sampled_step():
+    teacher = tiny_ar(seed=5)
+    out, replay = rollouts(teacher, block_size=4, steps=3)
+    student = BlockDiffusionLM(tiny_ar(seed=9), mask_id=MASK, block_size=4)
+    k = replay.sample_step_per_block(4, torch.Generator().manual_seed(0))
+    supervised = replay.batch.loss_mask.bool()
+    decided = int(((replay.steps == k) & supervised).sum())
+    still_masked = int(((replay.steps >= k) & supervised).sum())
+    assert 0 < decided < still_masked  # some block committed several steps: the modes differ
+    stats = {mode: opd_loss(student, teacher, replay, OpdSettings(student_mask=mode), torch.Generator().manual_seed(0))[1]
+             for mode in ("committed", "replay")}
+    assert stats["committed"]["distilled_tokens"] == decided
+    assert stats["replay"]["distilled_tokens"] == still_masked
+    with pytest.raises(ValueError, match="committed"):
+        opd_loss(student, teacher, replay, OpdSettings(student_mask="nope"))
+
+
 def test_teacher_logits_match_plain_ar_forward():
     teacher = tiny_ar()
     out, replay = rollouts(teacher)
@@ -159,3 +176,30 @@ def test_group_advantages_normalise_within_groups():
     adv = group_advantages(rewards, groups)
     assert torch.allclose(adv[:4], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-4)
     assert torch.equal(adv[4:], torch.zeros(2))  # constant group: no signal
+
+
+def test_dropping_zero_advantage_groups_keeps_the_gradient_direction():
+    """``with_signal`` leaves out trajectories with zero advantage; the policy-gradient sum is
+    unchanged and only the token-mean normaliser shrinks to the kept tokens (DAPO)."""
+    from dgr2.train.online import with_signal
+
+    model = tiny_ar()
+    out, _ = rollouts(model)
+    adv = [1.0, 0.0, -1.0, 0.0]
+    rows = [{"i": i, "advantage": a} for i, a in enumerate(adv)]
+    kept = [r["i"] for r in with_signal(rows)]
+    assert kept == [0, 2]
+    assert with_signal([{"advantage": 0.0}, {"advantage": 0.0}]) == []
+
+    def grads(idx):
+        model.zero_grad()
+        policy = BlockDiffusionLM(model.train(), mask_id=MASK, block_size=4)
+        replay = ReplayBatch.collate([PROMPTS[i] for i in idx], [out.sequences[i] for i in idx],
+                                     [out.unmask_steps[i] for i in idx], [out.tail_tokens[i] for i in idx],
+                                     [out.tail_unmask_steps[i] for i in idx], [out.token_logprobs[i] for i in idx], PAD)
+        loss, stats = rl_policy_loss(policy, replay, torch.tensor([adv[i] for i in idx]), RlSettings(temperature=1.0))
+        loss.backward()
+        flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return flat * stats["policy_tokens"]  # undo the token mean: the policy-gradient sum
+
+    assert torch.allclose(grads(kept), grads([0, 1, 2, 3]), atol=1e-5, rtol=1e-4)

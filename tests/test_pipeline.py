@@ -124,3 +124,20 @@ def test_cft_and_mdm_keys_each_follow_only_their_own_step_count():
     more_cft = keys(load_config("tiny", ["cft.max_steps=9"]))
     assert more_generic[0] == base[0] and more_generic[1] != base[1]
     assert more_cft[1] == base[1] and more_cft[0] != base[0]
+
+
+def test_a_field_added_later_leaves_old_keys_alone_at_its_neutral_value():
+    """``diffusion.defer_repeats=false`` is the decoding rule from before the field existed: the
+    key is the one computed without the field; ``true`` decodes differently and gets a new key."""
+    from dgr2.pipeline import KEY_NEUTRAL_FIELDS, STAGE_VERSIONS, _key
+    from dgr2.stage_store import StageOutput, stage_key
+
+    assert KEY_NEUTRAL_FIELDS[("diffusion", "defer_repeats")] is False
+    inputs = [StageOutput("sft", "k0", None, {}, cached=True)]
+    off = load_config("tiny", ["diffusion.defer_repeats=false"])
+    on = load_config("tiny", ["diffusion.defer_repeats=true"])
+    without = off.diffusion.model_dump(mode="json")
+    del without["defer_repeats"]
+    before = stage_key("naive", STAGE_VERSIONS["naive"], {"config": {"diffusion": without}, "inputs": {"sft": "k0"}})
+    assert _key("naive", off, ("diffusion",), inputs) == before
+    assert _key("naive", on, ("diffusion",), inputs) != before

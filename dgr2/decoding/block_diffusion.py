@@ -113,6 +113,7 @@ def diffusion_generate(
     temperature: float = 0.0,
     seed: int | None = None,
     commit_order: CommitOrder = "confidence",
+    defer_repeats: bool = False,
 ) -> DecodeOutput:
     """Block-diffusion continuations (new tokens only, cut after the first stop, inclusive).
 
@@ -122,5 +123,5 @@ def diffusion_generate(
         model, prompt_ids, CachedBlockPredictor, block_size=block_size, max_steps_per_block=max_steps_per_block,
         threshold=threshold, max_new_tokens=max_new_tokens, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id,
         stop_ids=stop_ids, batch_size=batch_size,
-        temperature=temperature, seed=seed, commit_order=commit_order,
+        temperature=temperature, seed=seed, commit_order=commit_order, defer_repeats=defer_repeats,
     )

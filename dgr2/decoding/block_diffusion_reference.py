@@ -76,11 +76,12 @@ def diffusion_generate_uncached(
     temperature: float = 0.0,
     seed: int | None = None,
     commit_order: CommitOrder = "confidence",
+    defer_repeats: bool = False,
 ) -> DecodeOutput:
     """Same contract and decisions as ``diffusion_generate``, computed without a cache."""
     return decode_blocks(
         model, prompt_ids, UncachedBlockPredictor, block_size=block_size, max_steps_per_block=max_steps_per_block,
         threshold=threshold, max_new_tokens=max_new_tokens, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id,
         stop_ids=stop_ids, batch_size=batch_size,
-        temperature=temperature, seed=seed, commit_order=commit_order,
+        temperature=temperature, seed=seed, commit_order=commit_order, defer_repeats=defer_repeats,
     )

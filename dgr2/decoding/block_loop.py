@@ -44,6 +44,7 @@ class BlockDecodeSettings:
     stops: frozenset[int]
     temperature: float = 0.0
     commit_order: CommitOrder = "confidence"
+    defer_repeats: bool = False
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
@@ -107,16 +108,17 @@ def decode_blocks(
     temperature: float = 0.0,
     seed: int | None = None,
     commit_order: CommitOrder = "confidence",
+    defer_repeats: bool = False,
 ) -> DecodeOutput:
     """Validate, batch by length, decode each batch with ``make_predictor``'s logits.
 
     ``temperature > 0`` samples (``seed`` makes it reproducible); 0 is greedy.  ``commit_order``
-    is the commit rule's order (:mod:`dgr2.decoding.commit`).
+    is the commit rule's order and ``defer_repeats`` its repeat deferral (:mod:`dgr2.decoding.commit`).
     """
     validate_prompts(prompt_ids, batch_size, max_new_tokens)
     settings = BlockDecodeSettings(
         block_size, max_steps_per_block, float(threshold), max_new_tokens, mask_id, pad_id,
-        stop_set(eos_id, stop_ids), float(temperature), commit_order,
+        stop_set(eos_id, stop_ids), float(temperature), commit_order, bool(defer_repeats),
     )
     ar = unwrap(model)
     record = _Record(prompt_ids)
@@ -196,7 +198,7 @@ def _decode_batch(
                     taken[r] += 1
             sub_commit, sub_tokens, sub_logp = commit_step(
                 logits, live[:, slots], settings.threshold, budget - step, settings.mask_id,
-                settings.temperature, generator, settings.commit_order,
+                settings.temperature, generator, settings.commit_order, settings.defer_repeats, slots,
             )
             commit = torch.zeros_like(masked).index_copy_(1, slots, sub_commit)
             tokens = torch.zeros_like(block).index_copy_(1, slots, sub_tokens)

@@ -93,7 +93,7 @@ class RolloutWorkerBase:
                 self.model, [[s.pad_id]], block_size=s.block_size, max_steps_per_block=s.max_steps_per_block,
                 threshold=s.threshold, max_new_tokens=min(s.block_size, s.max_new_tokens), mask_id=s.mask_id,
                 eos_id=None, pad_id=s.pad_id, batch_size=1, temperature=s.temperature, seed=0,
-                commit_order=s.commit_order,
+                commit_order=s.commit_order, defer_repeats=s.defer_repeats,
             )
 
     # ------------------------------------------------------------------ weights
@@ -147,7 +147,7 @@ class RolloutWorkerBase:
             self.model, prompts, block_size=s.block_size, max_steps_per_block=s.max_steps_per_block,
             threshold=s.threshold, max_new_tokens=s.max_new_tokens, mask_id=s.mask_id, eos_id=s.eos_id,
             pad_id=s.pad_id, stop_ids=s.stop_ids, batch_size=s.batch_size, temperature=s.temperature, seed=seed,
-            commit_order=s.commit_order,
+            commit_order=s.commit_order, defer_repeats=s.defer_repeats,
         )
 
     def _trajectories(self, out: DecodeOutput, requests: list[RolloutRequest], version: int) -> list[Trajectory]:

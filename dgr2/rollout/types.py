@@ -119,6 +119,7 @@ class PolicySpec:
     dtype: str = "float32"
     seed_scope: SeedScope = "chunk"
     commit_order: str = "confidence"  # dgr2.decoding.commit.CommitOrder
+    defer_repeats: bool = False  # dgr2.decoding.commit: repeats of a masked left neighbour wait a pass
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", str(self.model_dir))
@@ -153,6 +154,7 @@ class PolicySpec:
         BlockDecodeSettings(
             self.block_size, self.max_steps_per_block, float(self.threshold), self.max_new_tokens, self.mask_id,
             self.pad_id, stop_set(self.eos_id, self.stop_ids), float(self.temperature), self.commit_order,
+            bool(self.defer_repeats),
         )
 
     @classmethod
@@ -181,6 +183,7 @@ class PolicySpec:
             max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, mask_id=mask_id,
             eos_id=eos_id, pad_id=pad_id, stop_ids=tuple(stop_ids), batch_size=rollout.batch_size,
             device=device, torch_threads=torch_threads, commit_order=diffusion.commit_order,
+            defer_repeats=diffusion.defer_repeats,
         )
         fields.update(overrides)
         return cls(**fields)

@@ -209,7 +209,7 @@ class Reranker:
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
-        self.defaults, self.commit_order = self._defaults()
+        self.defaults, self.commit_order, self.defer_repeats = self._defaults()
         self._lock = threading.Lock()
 
     @classmethod
@@ -233,19 +233,21 @@ class Reranker:
         if missing:
             raise BundleError(f"bundle {self.bundle.source}: {len(missing)} catalog SID tokens are not in the tokenizer, e.g. {missing[:5]}")
 
-    def _defaults(self) -> tuple[DecodeParams, str]:
-        """Decoding defaults and the commit order: built-in fallback < bundle < deployment settings."""
+    def _defaults(self) -> tuple[DecodeParams, str, bool]:
+        """Decoding defaults, the commit order and repeat deferral: built-in fallback < bundle <
+        deployment settings."""
         merged = dict(FALLBACK_DECODING)
         for source in (self.bundle.meta.decoding, self.settings.decoding):
             merged.update({k: v for k, v in source.model_dump().items() if v is not None})
         merged["max_new_tokens"] = min(int(merged["max_new_tokens"]), self.settings.max_new_tokens_cap)
         order = str(merged["commit_order"])
+        defer = bool(merged["defer_repeats"])
         if self.kind == "ar":
-            return DecodeParams(None, None, merged["max_new_tokens"]), order
+            return DecodeParams(None, None, merged["max_new_tokens"]), order, defer
         assert self.block_size is not None
         steps = min(int(merged["max_steps_per_block"]), self.block_size)
         threshold = max(float(merged["threshold"]), self.settings.min_threshold)
-        return DecodeParams(threshold, steps, merged["max_new_tokens"]), order
+        return DecodeParams(threshold, steps, merged["max_new_tokens"]), order, defer
 
     def info(self) -> dict[str, Any]:
         """What ``GET /v1/model`` shows."""
@@ -266,6 +268,7 @@ class Reranker:
                 "max_new_tokens": self.defaults.max_new_tokens,
                 "block_size": self.block_size,
                 "commit_order": self.commit_order if self.kind == "diffusion" else None,
+                "defer_repeats": self.defer_repeats if self.kind == "diffusion" else None,
             },
             "limits": {
                 "max_candidates": s.max_candidates,
@@ -425,7 +428,7 @@ class Reranker:
                     self.model, prompts, block_size=self.block_size, max_steps_per_block=params.max_steps_per_block,
                     threshold=params.threshold, max_new_tokens=params.max_new_tokens, mask_id=self.mask_id,
                     eos_id=self.eos_id, pad_id=self.pad_id, stop_ids=self.stop_ids, batch_size=len(prompts),
-                    commit_order=self.commit_order,
+                    commit_order=self.commit_order, defer_repeats=self.defer_repeats,
                 )
             else:
                 out = ar_generate(

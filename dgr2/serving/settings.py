@@ -53,10 +53,13 @@ class DecodingDefaults(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1)
     # dgr2.decoding.commit: which slots a denoising step may commit
     commit_order: Literal["confidence", "left_to_right"] | None = None
+    # dgr2.decoding.commit: a repeat of a still-masked left neighbour's proposal waits a pass
+    defer_repeats: bool | None = None
 
 
 # Used when neither the settings nor the bundle say anything (paper-style threshold rule).
-FALLBACK_DECODING = {"threshold": 0.9, "max_steps_per_block": 8, "max_new_tokens": 224, "commit_order": "confidence"}
+FALLBACK_DECODING = {"threshold": 0.9, "max_steps_per_block": 8, "max_new_tokens": 224, "commit_order": "confidence",
+                     "defer_repeats": False}
 
 
 class ServeSettings(BaseModel):

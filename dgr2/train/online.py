@@ -8,7 +8,8 @@ Trainer/rollout split as in verl and OpenRLHF: the rank-0 worker owns a
    asks the pool for ``samples_per_prompt`` sampled trajectories each (per-request seeds, so the
    same trajectories come back whichever actor decodes them), scores them (reward, strict
    validity) and - for RL - computes group-normalised advantages;
-2. the trajectories are broadcast to every rank; each rank takes an interleaved share and
+2. the trajectories are broadcast to every rank (RL first drops the groups with no reward
+   spread: zero advantage, zero gradient); each rank takes an interleaved share and
    computes the stage's loss on it (OPD: divergence to the frozen AR teacher; RL: clipped
    policy gradient by step replay) under the same DeepSpeed ZeRO engine as SFT and CFT;
 3. after the optimizer step rank 0 pushes the new weights to the pool as version ``step + 1``
@@ -37,6 +38,18 @@ def _step_prompts(num_prompts: int, per_step: int, step: int, seed: int) -> list
 
 def _request_seed(seed: int, step: int, prompt: int, sample: int) -> int:
     return int(np.random.default_rng([seed, step, prompt, sample]).integers(0, 2**31 - 1))
+
+
+def with_signal(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trajectories whose advantage is nonzero: the only ones an RL step learns from.
+
+    A group whose rollouts all got the same reward has zero advantage everywhere
+    (:func:`dgr2.train.online_losses.group_advantages`), so its clipped policy-gradient term is
+    exactly zero; replaying its unmasking steps costs forward and backward passes for nothing.
+    When no trajectory is left every rank takes the zero-loss path, so all ranks still step
+    together.
+    """
+    return [r for r in rows if r["advantage"] != 0.0]
 
 
 def _full_state_dict(engine, zero_stage: int, rank: int) -> dict[str, Any] | None:
@@ -123,6 +136,7 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
             pad_id=tokenizer.pad_token_id, stop_ids=list(extra["stop_ids"]), batch_size=rollout_cfg.batch_size,
             device="cuda" if cfg.use_gpu and rollout_cfg.num_gpus_per_actor > 0 else "cpu",
             commit_order=str(diffusion.get("commit_order", "confidence")),
+            defer_repeats=bool(diffusion.get("defer_repeats", False)),
         )
         pool = RolloutPool(spec, rollout_cfg, initial_weights=weights, initial_version=start_step)
     del weights
@@ -139,6 +153,9 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
             if world > 1:
                 dist.broadcast_object_list(payload, src=0)
             rows, rollout_stats = payload[0]
+            if kind == "rl" and extra.get("drop_zero_advantage", False):
+                rows = with_signal(rows)
+            rollout_stats = {**rollout_stats, "signal_trajectories": float(len(rows))}
             mine = rows[rank::world]
             chunks = [c for c in np.array_split(np.arange(len(mine)), cfg.grad_accum_steps)]
             sums = {"loss": 0.0, "micro": 0.0}

@@ -48,7 +48,7 @@ class OpdSettings:
     divergence: Divergence = "reverse_kl"
     jsd_beta: float = 0.5
     teacher_top_k: int | None = None
-    student_mask: str = "replay"  # "replay": a state the decoder visited; "random": MDM masking
+    student_mask: str = "replay"  # "replay"/"committed": a state the decoder visited; "random": MDM masking
 
 
 def opd_loss(
@@ -63,20 +63,24 @@ def opd_loss(
     ``replay``: one recorded step per block is drawn uniformly and the block is put back in the
     state before it (slots committed at that step or later are masked); the student's
     predictions for every masked kept slot are matched to the teacher's next-token
-    distribution at that position.  ``random``: blocks masked by the training schedule instead.
+    distribution at that position.  ``committed``: the same state, but only the slots the decoder
+    committed at that step - the decisions actually taken there, such as a label committed
+    beside a still-masked neighbour - not the far slots it left masked.  ``random``: blocks
+    masked by the training schedule instead.
     """
     batch = replay.batch
     supervised = batch.loss_mask.bool()
-    if settings.student_mask == "replay":
+    if settings.student_mask in ("replay", "committed"):
         k = replay.sample_step_per_block(student.block_size, generator)
-        predicted = (replay.steps >= k) & supervised
+        decided = replay.steps == k if settings.student_mask == "committed" else replay.steps >= k
+        predicted = decided & supervised
         noisy = replay.state_before(k, student.mask_id)
     elif settings.student_mask == "random":
         predicted, _ = sample_block_masks(supervised, student.block_size, student.mask_schedule, student.mask_eps, generator,
                                           suffix_prob=student.suffix_mask_prob)
         noisy = torch.where(predicted, torch.full_like(batch.completion_ids, student.mask_id), batch.completion_ids)
     else:
-        raise ValueError(f"unknown student_mask {settings.student_mask!r}; choose replay or random")
+        raise ValueError(f"unknown student_mask {settings.student_mask!r}; choose replay, committed or random")
     if not bool(predicted.any()):
         raise ValueError("OPD batch has no masked completion token to distil")
     with torch.no_grad():
@@ -94,7 +98,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
     """GRPO advantages: each reward minus its group's mean, over the group's std (0 if constant).
 
     A group whose rollouts all got the same reward carries no signal and gets zero advantage
-    (DAPO's dynamic sampling drops such groups; here they simply contribute nothing).
+    (DAPO's dynamic sampling drops such groups; the RL loop leaves them out of the replay with
+    ``rl.drop_zero_advantage``, see :func:`dgr2.train.online.with_signal`).
     """
     adv = torch.zeros_like(rewards, dtype=torch.float32)
     for g in group_ids.unique():
