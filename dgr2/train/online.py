@@ -153,9 +153,11 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
             if world > 1:
                 dist.broadcast_object_list(payload, src=0)
             rows, rollout_stats = payload[0]
-            if kind == "rl" and extra.get("drop_zero_advantage", False):
-                rows = with_signal(rows)
-            rollout_stats = {**rollout_stats, "signal_trajectories": float(len(rows))}
+            if kind == "rl":
+                kept = with_signal(rows)
+                rollout_stats = {**rollout_stats, "signal_trajectories": float(len(kept))}
+                if extra.get("drop_zero_advantage", False):
+                    rows = kept
             mine = rows[rank::world]
             chunks = [c for c in np.array_split(np.arange(len(mine)), cfg.grad_accum_steps)]
             sums = {"loss": 0.0, "micro": 0.0}
