@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"{stage} has no completions_*_{args.split}.jsonl (is it a completed diffusion stage?)")
     completions = [json.loads(line) for line in found[0].read_text().splitlines() if line.strip()]
     examples = {ex["example_id"]: ex for ex in load_split(data, args.split)}
+    unknown = [row["example_id"] for row in completions if row["example_id"] not in examples]
+    if unknown:
+        raise SystemExit(f"{len(unknown)} completions in {found[0].name} (e.g. {unknown[0]!r}) are not in the "
+                         f"{args.split} split of --config {args.config}: pass the profile the stage was built with")
     tokenizer = load_tokenizer(stage / "tokenizer")
     model = load_model(stage / "model").eval()
     block = cfg.diffusion.block_size

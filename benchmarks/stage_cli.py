@@ -36,8 +36,8 @@ def stage_parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def stage_context(args: Any) -> StageContext:
-    """The resolved config, the stage store and the cached data/vocab stages (never rebuilt here:
-    both take seconds, and a missing one is built exactly as the pipeline would)."""
+    """The resolved config, the stage store and the data/vocab stages: read from the cache, or,
+    when missing, built exactly as the pipeline would (both take seconds)."""
     cfg = load_config(args.config, args.overrides)
     store = StageStore(Path(cfg.pipeline.runs_dir) / "stages")
     data = run_data(cfg, store)

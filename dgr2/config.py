@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -236,6 +236,10 @@ class TrackingConfig(_Strict):
     experiment: str = "dgr2"
 
 
+# the comparison-only stages ``pipeline.ablations`` can switch on (dgr2.pipeline.OPTIONAL_STAGES)
+OptionalStage = Literal["ar_rl", "mdm"]
+
+
 class PipelineConfig(_Strict):
     """Where runs live (stage caches, run folders, the local MLflow store) and which optional
     comparison stages run.  Which of the other stages run is a command-line choice
@@ -245,7 +249,7 @@ class PipelineConfig(_Strict):
     # rows of the recipe table that are comparisons, not steps of the recipe: ``ar_rl`` (GRPO on
     # the AR model, the GR2 stage) and ``mdm`` (generic masked-denoising conversion).  Each costs
     # a training stage plus an evaluation; the default profile leaves them out.
-    ablations: list[Literal["ar_rl", "mdm"]] = ["ar_rl", "mdm"]
+    ablations: list[OptionalStage] = list(get_args(OptionalStage))
 
 
 class Config(_Strict):

@@ -19,9 +19,9 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from dgr2.config import Config
+from dgr2.config import Config, OptionalStage
 from dgr2.stage_store import StageOutput, StageStore, stage_key
 
 log = logging.getLogger(__name__)
@@ -733,7 +733,7 @@ STAGE_FUNCTIONS = {
 }
 
 
-OPTIONAL_STAGES = ("ar_rl", "mdm")  # comparison rows, switched by ``pipeline.ablations``
+OPTIONAL_STAGES: tuple[str, ...] = get_args(OptionalStage)  # comparison rows, switched by ``pipeline.ablations``
 
 
 def switched_off(ablations: list[str] | tuple[str, ...]) -> set[str]:

@@ -159,9 +159,8 @@ def rl_policy_loss(
         pg = -torch.minimum(ratio * a, ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high) * a)
         total = total + pg.sum()
         with torch.no_grad():
-            r = ratio
-            clipped += float(((r < 1 - settings.clip_low) | (r > 1 + settings.clip_high)).float().sum())
-            ratio_sum += float(r.sum())
+            clipped += float(((ratio < 1 - settings.clip_low) | (ratio > 1 + settings.clip_high)).float().sum())
+            ratio_sum += float(ratio.sum())
             counted += int(sel.sum())
     loss = total * scale / max(n_tokens, 1)
     return loss, {
