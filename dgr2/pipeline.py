@@ -55,7 +55,10 @@ TRACKED_STAGES = ("sft", "ar_rl", "mdm", "cft", "opd", "rl", "register")
 # Config fields added after stages were cached, with the value that reproduces the behaviour from
 # before they existed: at that value a field is left out of the key, so caches built before it
 # stay valid; any other value is part of the key.
-KEY_NEUTRAL_FIELDS: dict[tuple[str, str], Any] = {("diffusion", "defer_repeats"): False}
+KEY_NEUTRAL_FIELDS: dict[tuple[str, str], Any] = {("diffusion", "defer_repeats"): False, ("eval", "decode_block_sweep"): []}
+# a field only one stage reads stays out of every other stage's key, so changing it re-runs that
+# stage alone (the decode-block sweep is the report's; CFT/OPD/RL evaluate at the trained block)
+SINGLE_STAGE_FIELDS: dict[tuple[str, str], str] = {("eval", "decode_block_sweep"): "report"}
 
 
 def _key(stage: str, cfg: Config, sections: tuple[str, ...], inputs: list[StageOutput],
@@ -66,6 +69,9 @@ def _key(stage: str, cfg: Config, sections: tuple[str, ...], inputs: list[StageO
     config.update(replace or {})
     for (section, field), neutral in KEY_NEUTRAL_FIELDS.items():
         if section in config and config[section].get(field, neutral) == neutral:
+            config[section].pop(field, None)
+    for (section, field), owner in SINGLE_STAGE_FIELDS.items():
+        if section in config and stage != owner:
             config[section].pop(field, None)
     payload = {"config": config, "inputs": {o.stage: o.key for o in inputs}}
     return stage_key(stage, STAGE_VERSIONS[stage], payload)
@@ -226,9 +232,9 @@ def run_sft(
 
 # --------------------------------------------------------------------------- evaluation helper
 def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None = None, batch_size: int | None = None,
-             commit_order: str | None = None):
+             commit_order: str | None = None, block_size: int | None = None):
     """The decode callable of an evaluation: greedy AR, or block diffusion with cfg.diffusion
-    (``threshold`` / ``commit_order`` override its decoding rule)."""
+    (``threshold`` / ``commit_order`` / ``block_size`` override its decoding rule)."""
     from dgr2.decoding.ar import ar_generate
     from dgr2.decoding.block_diffusion import diffusion_generate
     from dgr2.eval.model_eval import stop_token_ids
@@ -241,8 +247,10 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
         return lambda prompt_ids: ar_generate(model, prompt_ids, **common)
     d = cfg.diffusion
     tau = d.confidence_threshold if threshold is None else threshold
+    block = block_size or d.block_size
+    steps = -(-d.max_steps_per_block * block // d.block_size)  # a smaller block keeps the tokens-a-step floor
     return lambda prompt_ids: diffusion_generate(
-        model, prompt_ids, block_size=d.block_size, max_steps_per_block=d.max_steps_per_block, threshold=tau,
+        model, prompt_ids, block_size=block, max_steps_per_block=steps, threshold=tau,
         mask_id=mask_id_from_tokenizer(tokenizer), commit_order=commit_order or d.commit_order,
         defer_repeats=d.defer_repeats, **common,
     )
@@ -251,7 +259,7 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
 def evaluate_model(
     cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
     name: str, work: Path, splits: list[str] | None = None, threshold: float | None = None,
-    fidelity_teacher: Any = None, commit_order: str | None = None,
+    fidelity_teacher: Any = None, commit_order: str | None = None, block_size: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """Decode ``model_dir`` on each split, score strictly; write ``<name>_<split>.json`` and the
     completions; return one results-table row per split (ranking, structure, tokens/s).
@@ -269,7 +277,7 @@ def evaluate_model(
     catalog = ItemCatalog.load(vocab.file("catalog"))
     tokenizer = load_tokenizer(tokenizer_dir)
     model = load_model(model_dir)
-    decode = _decoder(cfg, kind, model, tokenizer, threshold, commit_order=commit_order)
+    decode = _decoder(cfg, kind, model, tokenizer, threshold, commit_order=commit_order, block_size=block_size)
     rows: dict[str, dict[str, float]] = {}
     for split in splits or cfg.eval.splits:
         examples = load_split(data, split)
@@ -308,7 +316,7 @@ def _rule_teacher(traces: StageOutput, vocab: StageOutput) -> Any:
 
 def single_request_speed(
     cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
-    split: str, threshold: float | None = None, commit_order: str | None = None,
+    split: str, threshold: float | None = None, commit_order: str | None = None, block_size: int | None = None,
 ) -> dict[str, float]:
     """Tokens/s decoding the first ``cfg.eval.latency_examples`` prompts one request at a time.
 
@@ -327,7 +335,8 @@ def single_request_speed(
     tokenizer = load_tokenizer(tokenizer_dir)
     examples = load_split(data, split)[: cfg.eval.latency_examples]
     prompt_ids = encode_prompts(tokenizer, ItemCatalog.load(vocab.file("catalog")), examples)
-    out = _decoder(cfg, kind, load_model(model_dir), tokenizer, threshold, batch_size=1, commit_order=commit_order)(prompt_ids)
+    out = _decoder(cfg, kind, load_model(model_dir), tokenizer, threshold, batch_size=1, commit_order=commit_order,
+                   block_size=block_size)(prompt_ids)
     return {
         "tokens_per_s_b1": out.tokens_generated / max(out.seconds, 1e-9),
         "ms_per_request_b1": 1000.0 * out.seconds / max(len(prompt_ids), 1),
@@ -646,7 +655,7 @@ COMMIT_ORDER_TAGS = {"confidence": "conf", "left_to_right": "l2r"}
 def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOutput, final: StageOutput, work: Path,
                label: str = "rl") -> dict[str, Any]:
     """Accuracy and tokens/s of the final diffusion model (rows ``<label>_...``) over thresholds
-    and commit orders, AR measured alongside."""
+    and commit orders, then over decode block sizes at the configured rule; AR measured alongside."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -669,6 +678,13 @@ def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOut
             if cfg.eval.latency_examples:
                 rows[name].update(single_request_speed(cfg, data, vocab, final.file("model"), final.file("tokenizer"),
                                                        "diffusion", split, threshold=tau, commit_order=order))
+    for block in cfg.eval.decode_block_sweep:  # the configured rule, the trained block cut smaller
+        name = f"{label}_block{block}"
+        rows[name] = evaluate_model(cfg, data, vocab, final.file("model"), final.file("tokenizer"), "diffusion", name,
+                                    sweep_dir, [split], block_size=block)[split]
+        if cfg.eval.latency_examples:
+            rows[name].update(single_request_speed(cfg, data, vocab, final.file("model"), final.file("tokenizer"),
+                                                   "diffusion", split, block_size=block))
     ar = rows["ar_sft"]
     for row in rows.values():
         row["speedup_vs_ar"] = row["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9)

@@ -224,3 +224,22 @@ def test_deferred_repeats_match_between_cached_and_reference_decoders():
         plain = run(diffusion_generate, model, threshold=threshold, max_steps_per_block=4)
         changed |= plain.unmask_steps != cached.unmask_steps
     assert changed  # the random model proposes adjacent repeats, so the rule did act
+
+
+@pytest.mark.parametrize("block", [8, 4])
+def test_evaluation_decoder_cuts_the_trained_block_smaller_keeping_the_step_floor(block):
+    """``eval.decode_block_sweep``'s decoder: blocks of ``block`` slots, and the trained block's
+    tokens-a-step floor (8 slots in 4 steps = 2 a step) kept, so at tau 1 a block of 4 takes 2 steps."""
+    from types import SimpleNamespace
+
+    from dgr2.config import load_config
+    from dgr2.pipeline import _decoder
+
+    cfg = load_config("tiny", ["diffusion.block_size=8", "diffusion.max_steps_per_block=4", "eval.max_new_tokens=16"])
+    tokenizer = SimpleNamespace(mask_token_id=MASK, eos_token_id=EOS, pad_token_id=PAD,
+                                convert_tokens_to_ids=lambda token: VOCAB - 1)
+    out = _decoder(cfg, "diffusion", tiny_ar(), tokenizer, threshold=1.0, block_size=block)(PROMPTS)
+    assert max(out.steps_per_block) == block // 2  # fewer only where a stop token ended the block
+    assert all(len(s) <= 16 for s in out.sequences)
+    full = [s for s in out.sequences if len(s) == 16]
+    assert full and len(out.steps_per_block) >= len(full) * (16 // block)

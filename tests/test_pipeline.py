@@ -43,6 +43,7 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
     tau = json.loads(first["report"].file("tau_json").read_text())["rows"]
     # the tiny profile sweeps both commit orders at each tau
     assert {"ar_sft", "rl_l2r_tau1", "rl_l2r_tau0.5", "rl_conf_tau1", "rl_conf_tau0.5"} <= set(tau)
+    assert tau["rl_block8"]["tokens_per_forward"] <= 8.0  # the decode-block row: a pass commits within 8 slots
     assert all(row["tokens_per_s_b1"] > 0 and row["speedup_vs_ar_b1"] > 0 for row in tau.values())
     for name in ("opd", "rl"):  # online stages: one policy version per step, all trajectories on-policy
         history = json.loads(first[name].file("history").read_text())
@@ -141,3 +142,32 @@ def test_a_field_added_later_leaves_old_keys_alone_at_its_neutral_value():
     before = stage_key("naive", STAGE_VERSIONS["naive"], {"config": {"diffusion": without}, "inputs": {"sft": "k0"}})
     assert _key("naive", off, ("diffusion",), inputs) == before
     assert _key("naive", on, ("diffusion",), inputs) != before
+
+    plain = load_config("tiny", ["eval.decode_block_sweep=[]"])
+    swept = load_config("tiny", ["eval.decode_block_sweep=[8]"])
+    evals = plain.eval.model_dump(mode="json")
+    del evals["decode_block_sweep"]
+    before = stage_key("report", STAGE_VERSIONS["report"], {"config": {"eval": evals}, "inputs": {"sft": "k0"}})
+    assert _key("report", plain, ("eval",), inputs) == before
+    assert _key("report", swept, ("eval",), inputs) != before
+
+
+def test_a_field_one_stage_reads_stays_out_of_the_other_stages_keys():
+    """The decode-block sweep is the report's: CFT/OPD/RL evaluations (and their training) must
+    not re-run when it changes."""
+    from dgr2.pipeline import SINGLE_STAGE_FIELDS, _key
+    from dgr2.stage_store import StageOutput
+
+    assert SINGLE_STAGE_FIELDS[("eval", "decode_block_sweep")] == "report"
+    inputs = [StageOutput("sft", "k0", None, {}, cached=True)]
+    plain = load_config("tiny", ["eval.decode_block_sweep=[]"])
+    swept = load_config("tiny", ["eval.decode_block_sweep=[8]"])
+    for stage in ("eval", "naive", "cft", "opd", "rl"):
+        assert _key(stage, plain, ("eval", "diffusion"), inputs) == _key(stage, swept, ("eval", "diffusion"), inputs)
+    assert _key("report", plain, ("eval", "diffusion"), inputs) != _key("report", swept, ("eval", "diffusion"), inputs)
+
+
+def test_a_decode_block_larger_than_the_trained_block_is_refused():
+    with pytest.raises(ValueError, match="exceeds diffusion.block_size"):
+        load_config("tiny", ["eval.decode_block_sweep=[64]", "diffusion.block_size=32"])
+    assert load_config("tiny", ["eval.decode_block_sweep=[16,8]"]).eval.decode_block_sweep == [16, 8]
