@@ -237,6 +237,7 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
     (``threshold`` / ``commit_order`` / ``block_size`` override its decoding rule)."""
     from dgr2.decoding.ar import ar_generate
     from dgr2.decoding.block_diffusion import diffusion_generate
+    from dgr2.decoding.block_loop import decode_block_steps
     from dgr2.eval.model_eval import stop_token_ids
     from dgr2.models.block_diffusion import mask_id_from_tokenizer
 
@@ -248,7 +249,7 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
     d = cfg.diffusion
     tau = d.confidence_threshold if threshold is None else threshold
     block = block_size or d.block_size
-    steps = -(-d.max_steps_per_block * block // d.block_size)  # a smaller block keeps the tokens-a-step floor
+    steps = decode_block_steps(d.max_steps_per_block, d.block_size, block)
     return lambda prompt_ids: diffusion_generate(
         model, prompt_ids, block_size=block, max_steps_per_block=steps, threshold=tau,
         mask_id=mask_id_from_tokenizer(tokenizer), commit_order=commit_order or d.commit_order,

@@ -159,6 +159,21 @@ def test_reranker_always_returns_a_permutation(reranker: Reranker, items: list[s
     assert len(last.ranking) == 2 and set(last.ranking) <= set(items[:4]) and isinstance(last.reasoning, str)
 
 
+def test_a_deployment_decodes_the_trained_block_in_smaller_pieces(bundle_dir, items: list[str]) -> None:
+    """``decoding.block_size`` (the batch-regime speed knob): blocks of 8 slots, the trained
+    rule's steps scaled with them, shown by ``GET /v1/model``; a block above the trained one is
+    refused at start-up."""
+    small = Reranker.from_bundle(str(bundle_dir), torch_threads=1, decoding={"block_size": 8, "max_steps_per_block": 8})
+    info = small.info()["decoding"]
+    assert (info["block_size"], info["trained_block_size"], info["max_steps_per_block"]) == (8, 32, 2)
+    res = small.rerank(RerankInput(history=items[:2], candidates=items[5:10], decoding={"threshold": 1.0}))
+    assert sorted(res.ranking) == sorted(items[5:10])
+    assert res.steps_per_block and all(steps <= 2 for steps in res.steps_per_block)
+    assert len(res.steps_per_block) == -(-res.new_tokens // 8)  # blocks of 8, not 32
+    with pytest.raises(ValueError, match="exceeds the block the model was trained with"):
+        Reranker.from_bundle(str(bundle_dir), torch_threads=1, decoding={"block_size": 33})
+
+
 def test_reranker_groups_by_decoding_settings_and_isolates_refusals(reranker: Reranker, items: list[str]) -> None:
     reqs = [
         RerankInput(history=[], candidates=items[10:15], decoding={"max_new_tokens": 4}),

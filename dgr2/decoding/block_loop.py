@@ -64,6 +64,12 @@ class BlockDecodeSettings:
             raise ValueError(f"temperature must be in [0, 10] (0 = greedy), got {self.temperature}")
 
 
+def decode_block_steps(max_steps_per_block: int, trained_block: int, decode_block: int) -> int:
+    """Step budget of a block decoded in smaller pieces than it was trained in: the trained
+    rule's floor of tokens a step kept (32 slots in 8 steps -> 8 slots in 2), at least one step."""
+    return max(1, min(decode_block, -(-max_steps_per_block * decode_block // trained_block)))
+
+
 class BlockPredictor(Protocol):
     """Per-slot logits of the current block for the rows still in the batch."""
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from dgr2.decoding.block_loop import decode_block_steps
 from dgr2.eval.parse import parse_completion
 from dgr2.eval.repair import repair_ranking
 from dgr2.serving.bundle import Bundle, BundleError, load_bundle
@@ -187,7 +188,7 @@ class Reranker:
             if self.kind == "diffusion":
                 wrapper = BlockDiffusionLM.load(model_dir, self.device)
                 self.model = wrapper.ar
-                self.block_size: int | None = wrapper.block_size
+                self.trained_block_size: int | None = wrapper.block_size
                 self.mask_id: int | None = wrapper.mask_id
                 if self.mask_id != mask_id_from_tokenizer(self.tokenizer):
                     raise BundleError(
@@ -196,7 +197,7 @@ class Reranker:
                     )
             else:
                 self.model = load_model(model_dir, self.device)
-                self.block_size = self.mask_id = None
+                self.trained_block_size = self.mask_id = None
         except BundleError:
             raise
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
@@ -209,7 +210,8 @@ class Reranker:
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
-        self.defaults, self.commit_order, self.defer_repeats = self._defaults()
+        self.block_size: int | None  # the decode block (None for AR): trained block unless set smaller
+        self.block_size, self.defaults, self.commit_order, self.defer_repeats = self._defaults()
         self._lock = threading.Lock()
 
     @classmethod
@@ -233,9 +235,9 @@ class Reranker:
         if missing:
             raise BundleError(f"bundle {self.bundle.source}: {len(missing)} catalog SID tokens are not in the tokenizer, e.g. {missing[:5]}")
 
-    def _defaults(self) -> tuple[DecodeParams, str, bool]:
-        """Decoding defaults, the commit order and repeat deferral: built-in fallback < bundle <
-        deployment settings."""
+    def _defaults(self) -> tuple[int | None, DecodeParams, str, bool]:
+        """The decode block, decoding defaults, the commit order and repeat deferral: built-in
+        fallback < bundle < deployment settings."""
         merged = dict(FALLBACK_DECODING)
         for source in (self.bundle.meta.decoding, self.settings.decoding):
             merged.update({k: v for k, v in source.model_dump().items() if v is not None})
@@ -243,11 +245,18 @@ class Reranker:
         order = str(merged["commit_order"])
         defer = bool(merged["defer_repeats"])
         if self.kind == "ar":
-            return DecodeParams(None, None, merged["max_new_tokens"]), order, defer
-        assert self.block_size is not None
-        steps = min(int(merged["max_steps_per_block"]), self.block_size)
+            return None, DecodeParams(None, None, merged["max_new_tokens"]), order, defer
+        trained = self.trained_block_size
+        assert trained is not None
+        block = int(merged["block_size"] or trained)
+        if block > trained:
+            raise ValueError(
+                f"decoding.block_size {block} exceeds the block the model was trained with ({trained}): a larger "
+                f"block attends across boundaries the model never saw; use 1..{trained}"
+            )
+        steps = decode_block_steps(int(merged["max_steps_per_block"]), trained, block)
         threshold = max(float(merged["threshold"]), self.settings.min_threshold)
-        return DecodeParams(threshold, steps, merged["max_new_tokens"]), order, defer
+        return block, DecodeParams(threshold, steps, merged["max_new_tokens"]), order, defer
 
     def info(self) -> dict[str, Any]:
         """What ``GET /v1/model`` shows."""
@@ -267,6 +276,7 @@ class Reranker:
                 "max_steps_per_block": self.defaults.max_steps_per_block,
                 "max_new_tokens": self.defaults.max_new_tokens,
                 "block_size": self.block_size,
+                "trained_block_size": self.trained_block_size,
                 "commit_order": self.commit_order if self.kind == "diffusion" else None,
                 "defer_repeats": self.defer_repeats if self.kind == "diffusion" else None,
             },

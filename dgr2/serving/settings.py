@@ -18,8 +18,10 @@ Limits and the rules behind them:
 * ``max_body_bytes``: larger bodies are refused with 413 before JSON parsing, from the
   ``Content-Length`` header when present and from the bytes actually read otherwise.
 * Decoding: the defaults come from the bundle's ``bundle.json`` (``decoding``) unless set
-  here; a request may override ``threshold`` (``min_threshold``..1), ``max_steps_per_block``
-  (1..block size) and ``max_new_tokens`` (1..``max_new_tokens_cap``).
+  here; ``decoding.block_size`` decodes the trained block in smaller pieces (a deployment
+  choice, at most the trained block, refused at start-up otherwise); a request may override
+  ``threshold`` (``min_threshold``..1), ``max_steps_per_block`` (1..decode block) and
+  ``max_new_tokens`` (1..``max_new_tokens_cap``).
 * Auth: when the environment variable named by ``auth_token_env`` (``DGR2_SERVE_TOKEN``) is
   set and non-empty *in the replica's environment*, every ``/v1/*`` route needs
   ``Authorization: Bearer <token>`` (401 otherwise; compared in constant time, never logged).
@@ -55,11 +57,14 @@ class DecodingDefaults(BaseModel):
     commit_order: Literal["confidence", "left_to_right"] | None = None
     # dgr2.decoding.commit: a repeat of a still-masked left neighbour's proposal waits a pass
     defer_repeats: bool | None = None
+    # decode block: None = the block the model was trained with; smaller (down to 1) cuts the
+    # cost of a batched pass, which recomputes the whole block (eval.decode_block_sweep measures it)
+    block_size: int | None = Field(None, ge=1, le=64)
 
 
 # Used when neither the settings nor the bundle say anything (paper-style threshold rule).
 FALLBACK_DECODING = {"threshold": 0.9, "max_steps_per_block": 8, "max_new_tokens": 224, "commit_order": "confidence",
-                     "defer_repeats": False}
+                     "defer_repeats": False, "block_size": None}
 
 
 class ServeSettings(BaseModel):
