@@ -243,3 +243,5 @@ def test_evaluation_decoder_cuts_the_trained_block_smaller_keeping_the_step_floo
     assert all(len(s) <= 16 for s in out.sequences)
     full = [s for s in out.sequences if len(s) == 16]
     assert full and len(out.steps_per_block) >= len(full) * (16 // block)
+    with pytest.raises(ValueError, match="exceeds the block the model was trained with"):
+        _decoder(cfg, "diffusion", tiny_ar(), tokenizer, block_size=16)

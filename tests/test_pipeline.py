@@ -127,29 +127,28 @@ def test_cft_and_mdm_keys_each_follow_only_their_own_step_count():
     assert more_cft[1] == base[1] and more_cft[0] != base[0]
 
 
-def test_a_field_added_later_leaves_old_keys_alone_at_its_neutral_value():
-    """``diffusion.defer_repeats=false`` is the decoding rule from before the field existed: the
-    key is the one computed without the field; ``true`` decodes differently and gets a new key."""
+@pytest.mark.parametrize("stage, section, field, neutral, other", [
+    ("naive", "diffusion", "defer_repeats", "false", "true"),
+    ("report", "eval", "decode_block_sweep", "[]", "[8]"),
+])
+def test_a_field_added_later_leaves_old_keys_alone_at_its_neutral_value(stage, section, field, neutral, other):
+    """At its neutral value a field added later (``diffusion.defer_repeats=false``: the decoding
+    rule from before the field existed; ``eval.decode_block_sweep=[]``: no extra rows) gives the
+    key computed without the field; any other value gets a new key."""
+    import yaml
+
     from dgr2.pipeline import KEY_NEUTRAL_FIELDS, STAGE_VERSIONS, _key
     from dgr2.stage_store import StageOutput, stage_key
 
-    assert KEY_NEUTRAL_FIELDS[("diffusion", "defer_repeats")] is False
+    assert KEY_NEUTRAL_FIELDS[(section, field)] == yaml.safe_load(neutral)
     inputs = [StageOutput("sft", "k0", None, {}, cached=True)]
-    off = load_config("tiny", ["diffusion.defer_repeats=false"])
-    on = load_config("tiny", ["diffusion.defer_repeats=true"])
-    without = off.diffusion.model_dump(mode="json")
-    del without["defer_repeats"]
-    before = stage_key("naive", STAGE_VERSIONS["naive"], {"config": {"diffusion": without}, "inputs": {"sft": "k0"}})
-    assert _key("naive", off, ("diffusion",), inputs) == before
-    assert _key("naive", on, ("diffusion",), inputs) != before
-
-    plain = load_config("tiny", ["eval.decode_block_sweep=[]"])
-    swept = load_config("tiny", ["eval.decode_block_sweep=[8]"])
-    evals = plain.eval.model_dump(mode="json")
-    del evals["decode_block_sweep"]
-    before = stage_key("report", STAGE_VERSIONS["report"], {"config": {"eval": evals}, "inputs": {"sft": "k0"}})
-    assert _key("report", plain, ("eval",), inputs) == before
-    assert _key("report", swept, ("eval",), inputs) != before
+    off = load_config("tiny", [f"{section}.{field}={neutral}"])
+    on = load_config("tiny", [f"{section}.{field}={other}"])
+    without = getattr(off, section).model_dump(mode="json")
+    del without[field]
+    before = stage_key(stage, STAGE_VERSIONS[stage], {"config": {section: without}, "inputs": {"sft": "k0"}})
+    assert _key(stage, off, (section,), inputs) == before
+    assert _key(stage, on, (section,), inputs) != before
 
 
 def test_a_field_one_stage_reads_stays_out_of_the_other_stages_keys():

@@ -66,7 +66,14 @@ class BlockDecodeSettings:
 
 def decode_block_steps(max_steps_per_block: int, trained_block: int, decode_block: int) -> int:
     """Step budget of a block decoded in smaller pieces than it was trained in: the trained
-    rule's floor of tokens a step kept (32 slots in 8 steps -> 8 slots in 2), at least one step."""
+    rule's floor of tokens a step kept (32 slots in 8 steps -> 8 slots in 2), at least one step.
+    A decode block larger than the trained one is refused: it would attend across boundaries
+    the model never saw."""
+    if decode_block > trained_block:
+        raise ValueError(
+            f"decode block_size {decode_block} exceeds the block the model was trained with ({trained_block}): "
+            f"a larger block attends across boundaries the model never saw; use 1..{trained_block}"
+        )
     return max(1, min(decode_block, -(-max_steps_per_block * decode_block // trained_block)))
 
 

@@ -249,12 +249,7 @@ class Reranker:
         trained = self.trained_block_size
         assert trained is not None
         block = int(merged["block_size"] or trained)
-        if block > trained:
-            raise ValueError(
-                f"decoding.block_size {block} exceeds the block the model was trained with ({trained}): a larger "
-                f"block attends across boundaries the model never saw; use 1..{trained}"
-            )
-        steps = decode_block_steps(int(merged["max_steps_per_block"]), trained, block)
+        steps = decode_block_steps(int(merged["max_steps_per_block"]), trained, block)  # refuses block > trained
         threshold = max(float(merged["threshold"]), self.settings.min_threshold)
         return block, DecodeParams(threshold, steps, merged["max_new_tokens"]), order, defer
 
