@@ -6,8 +6,9 @@ another stage (e.g. CFT) without running the rest of the recipe:
     .venv/bin/python benchmarks/tau_sweep.py --config default --stage runs/stages/cft/<key> \\
         --out benchmarks/results/<name> [--set eval.tau_sweep=[1.0,0.9] ...]
 
-Rows are measured side by side in one run (batch ``eval.batch_size`` and batch 1), so the
-speed-up column compares decoders under the same load.
+Rows are measured in one run: at batch ``eval.batch_size`` row after row, and one request at
+a time interleaved request by request (every prompt through every row's decoder in turn, see
+:mod:`dgr2.eval.latency`), so the batch-1 speed-up compares decoders under the same load.
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ class EvalConfig(_Strict):
     # commit orders swept with each tau (dgr2.decoding.commit); empty = diffusion.commit_order only
     commit_order_sweep: list[Literal["confidence", "left_to_right"]] = []
     # the sweep also times this many prompts decoded one request at a time (batch 1, the
-    # latency-bound serving regime); 0 skips it
+    # latency-bound serving regime), every row's decoder in turn on each prompt
+    # (dgr2.eval.latency); 0 skips it
     latency_examples: int = Field(32, ge=0)
     # decode block sizes swept beside tau, at diffusion.confidence_threshold/commit_order: a
     # block decoded in smaller pieces than it was trained in.  Why: a batched pass costs in
@@ -208,6 +209,18 @@ class OpdConfig(TrainConfig):
     # still masked there; "committed" = the same state, only the slots the decoder committed at
     # that step (each token judged where it was decided); "random" = the training mask schedule
     student_mask: Literal["replay", "committed", "random"] = "replay"
+    # extra weight on the tokens from the first ``focus_token`` on (the ranking the trace ends
+    # with) in the per-token divergence mean.  Why: the invalid rankings left after OPD are copy
+    # slips in the last 44 of 200 completion tokens (the ``order`` section and the answer), while
+    # an unweighted mean spends 78% of its weight on the evidence lines before them.  1 = off.
+    focus_token: str = Field("<answer>", min_length=1)
+    focus_weight: float = Field(1.0, ge=1.0, le=100.0)
+    # weight of a second term: the same divergence on every completion token with the student
+    # read as the causal LM it was converted from (clean left context, no mask slots), i.e. the
+    # teacher's own view.  Why: decoded with 1-slot blocks (pure AR use of the weights) the
+    # OPD/RL student was 91.7% valid against the AR teacher's 98%, so the copying skill the
+    # ranking needs was lost in the weights, not in the masking.  0 = off.
+    clean_weight: float = Field(0.0, ge=0.0, le=10.0)
 
 
 class RlConfig(TrainConfig):

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # Bump a stage's version when its code changes what it writes (invalidates its cache).
 STAGE_VERSIONS = {
     "data": "3", "vocab": "5", "traces": "5", "sft": "1", "eval": "3",
-    "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "4", "register": "1", "ar_rl": "1",
+    "naive": "1", "mdm": "1", "cft": "1", "opd": "1", "rl": "1", "report": "5", "register": "1", "ar_rl": "1",
 }
 # Each stage and the stages whose outputs it reads (the flow resolves these first).
 STAGE_INPUTS: dict[str, list[str]] = {
@@ -55,7 +55,10 @@ TRACKED_STAGES = ("sft", "ar_rl", "mdm", "cft", "opd", "rl", "register")
 # Config fields added after stages were cached, with the value that reproduces the behaviour from
 # before they existed: at that value a field is left out of the key, so caches built before it
 # stay valid; any other value is part of the key.
-KEY_NEUTRAL_FIELDS: dict[tuple[str, str], Any] = {("diffusion", "defer_repeats"): False, ("eval", "decode_block_sweep"): []}
+KEY_NEUTRAL_FIELDS: dict[tuple[str, str], Any] = {
+    ("diffusion", "defer_repeats"): False, ("eval", "decode_block_sweep"): [], ("opd", "focus_weight"): 1.0,
+    ("opd", "focus_token"): "<answer>", ("opd", "clean_weight"): 0.0,
+}
 # a field only one stage reads stays out of every other stage's key, so changing it re-runs that
 # stage alone (the decode-block sweep is the report's; CFT/OPD/RL evaluate at the trained block)
 SINGLE_STAGE_FIELDS: dict[tuple[str, str], str] = {("eval", "decode_block_sweep"): "report"}
@@ -315,33 +318,37 @@ def _rule_teacher(traces: StageOutput, vocab: StageOutput) -> Any:
     return RuleTeacher.load(path, ItemCatalog.load(vocab.file("catalog"))) if path.is_file() else None
 
 
-def single_request_speed(
-    cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
-    split: str, threshold: float | None = None, commit_order: str | None = None, block_size: int | None = None,
-) -> dict[str, float]:
-    """Tokens/s decoding the first ``cfg.eval.latency_examples`` prompts one request at a time.
-
-    Why next to the batch-64 number: a batched CPU pass is compute-bound, so a diffusion pass
-    over a 32-token block costs far more than an AR pass over one token a row; a single request
-    is latency-bound (the Serve case and the paper's regime), where a pass costs about the same
-    either way and the speed-up is the tokens committed per pass."""
+def _request_decoders(cfg: Config, data: StageOutput, vocab: StageOutput, split: str,
+                      specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Batch-1 decoders for the first ``cfg.eval.latency_examples`` prompts of ``split``, one per
+    sweep row (``specs``: name -> model_dir, tokenizer_dir, kind and decoding overrides); a model
+    directory is loaded once however many rows decode with it."""
     import torch
 
+    from dgr2.eval.latency import RequestDecoder
     from dgr2.eval.model_eval import encode_prompts
     from dgr2.models.ar import load_model
     from dgr2.tokenizer.catalog import ItemCatalog
     from dgr2.tokenizer.hf import load_tokenizer
 
     torch.manual_seed(cfg.data.seed)
-    tokenizer = load_tokenizer(tokenizer_dir)
+    catalog = ItemCatalog.load(vocab.file("catalog"))
     examples = load_split(data, split)[: cfg.eval.latency_examples]
-    prompt_ids = encode_prompts(tokenizer, ItemCatalog.load(vocab.file("catalog")), examples)
-    out = _decoder(cfg, kind, load_model(model_dir), tokenizer, threshold, batch_size=1, commit_order=commit_order,
-                   block_size=block_size)(prompt_ids)
-    return {
-        "tokens_per_s_b1": out.tokens_generated / max(out.seconds, 1e-9),
-        "ms_per_request_b1": 1000.0 * out.seconds / max(len(prompt_ids), 1),
-    }
+    models: dict[str, Any] = {}
+    tokenizers: dict[str, Any] = {}
+    prompts: dict[str, list[list[int]]] = {}
+    decoders: dict[str, Any] = {}
+    for name, spec in specs.items():
+        model_dir, tok_dir = str(spec["model_dir"]), str(spec["tokenizer_dir"])
+        if model_dir not in models:
+            models[model_dir] = load_model(model_dir)
+        if tok_dir not in tokenizers:
+            tokenizers[tok_dir] = load_tokenizer(tok_dir)
+            prompts[tok_dir] = encode_prompts(tokenizers[tok_dir], catalog, examples)
+        decode = _decoder(cfg, spec["kind"], models[model_dir], tokenizers[tok_dir], spec.get("threshold"), batch_size=1,
+                          commit_order=spec.get("commit_order"), block_size=spec.get("block_size"))
+        decoders[name] = RequestDecoder(decode, prompts[tok_dir])
+    return decoders
 
 
 def _eval_outputs(rows: dict[str, dict[str, float]], name: str) -> dict[str, str]:
@@ -549,7 +556,8 @@ def run_opd(
     o = cfg.opd
     extra = {"kind": "opd", "teacher_dir": str(sft.file("model")), "samples_per_prompt": o.rollouts_per_prompt,
              "opd": {"divergence": o.divergence, "jsd_beta": o.jsd_beta, "teacher_top_k": o.teacher_top_k,
-                     "student_mask": o.student_mask}}
+                     "student_mask": o.student_mask, "focus_token": o.focus_token, "focus_weight": o.focus_weight,
+                     "clean_weight": o.clean_weight}}
     return _online_stage("opd", cfg, store, data, vocab, cft, [sft], ("opd",), o, extra, mlflow_uri, mlflow_run_id)
 
 
@@ -668,24 +676,28 @@ def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOut
     sweep_dir = work / "tau_sweep"
     sweep_dir.mkdir()
     rows = {"ar_sft": evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", "ar", sweep_dir, [split])[split]}
-    if cfg.eval.latency_examples:
-        rows["ar_sft"].update(single_request_speed(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", split))
+    model, tokenizer = final.file("model"), final.file("tokenizer")
+    specs: dict[str, dict[str, Any]] = {"ar_sft": {"model_dir": sft.file("model"), "tokenizer_dir": sft.file("tokenizer"), "kind": "ar"}}
     orders = cfg.eval.commit_order_sweep or [cfg.diffusion.commit_order]
     for order in orders:
         for tau in cfg.eval.tau_sweep:
             name = f"{label}_tau{tau:g}" if len(orders) == 1 else f"{label}_{COMMIT_ORDER_TAGS[order]}_tau{tau:g}"
-            rows[name] = evaluate_model(cfg, data, vocab, final.file("model"), final.file("tokenizer"), "diffusion",
-                                        name, sweep_dir, [split], threshold=tau, commit_order=order)[split]
-            if cfg.eval.latency_examples:
-                rows[name].update(single_request_speed(cfg, data, vocab, final.file("model"), final.file("tokenizer"),
-                                                       "diffusion", split, threshold=tau, commit_order=order))
+            specs[name] = {"model_dir": model, "tokenizer_dir": tokenizer, "kind": "diffusion", "threshold": tau,
+                           "commit_order": order}
     for block in cfg.eval.decode_block_sweep:  # the configured rule, the trained block cut smaller
-        name = f"{label}_block{block}"
-        rows[name] = evaluate_model(cfg, data, vocab, final.file("model"), final.file("tokenizer"), "diffusion", name,
-                                    sweep_dir, [split], block_size=block)[split]
-        if cfg.eval.latency_examples:
-            rows[name].update(single_request_speed(cfg, data, vocab, final.file("model"), final.file("tokenizer"),
-                                                   "diffusion", split, block_size=block))
+        specs[f"{label}_block{block}"] = {"model_dir": model, "tokenizer_dir": tokenizer, "kind": "diffusion",
+                                          "block_size": block}
+    for name, spec in specs.items():
+        if name != "ar_sft":
+            rows[name] = evaluate_model(cfg, data, vocab, model, tokenizer, "diffusion", name, sweep_dir, [split],
+                                        threshold=spec.get("threshold"), commit_order=spec.get("commit_order"),
+                                        block_size=spec.get("block_size"))[split]
+    if cfg.eval.latency_examples:  # every row one request at a time, interleaved request by request
+        from dgr2.eval.latency import interleaved_request_speed
+
+        log.info("timing %d rows one request at a time on %d prompts, interleaved", len(specs), cfg.eval.latency_examples)
+        for name, speed in interleaved_request_speed(_request_decoders(cfg, data, vocab, split, specs)).items():
+            rows[name].update(speed)
     ar = rows["ar_sft"]
     for row in rows.values():
         row["speedup_vs_ar"] = row["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9)

@@ -17,6 +17,8 @@ from dgr2.train.divergence import teacher_log_probs, token_divergence
 from dgr2.train.online_losses import (
     OpdSettings,
     RlSettings,
+    focus_token_id,
+    focus_weights,
     group_advantages,
     opd_loss,
     rl_policy_loss,
@@ -134,6 +136,65 @@ def test_committed_opd_distils_exactly_the_tokens_decided_at_the_sampled_step():
     assert stats["replay"]["distilled_tokens"] == still_masked
     with pytest.raises(ValueError, match="committed"):
         opd_loss(student, teacher, replay, OpdSettings(student_mask="nope"))
+
+
+def test_focus_weights_start_at_the_first_focus_token_of_each_row():
+    ids = torch.tensor([[5, 7, 9, 7, 6], [5, 6, 6, 6, 6]])
+    w = focus_weights(ids, 7, 4.0)
+    assert w.tolist() == [[1.0, 4.0, 4.0, 4.0, 4.0], [1.0] * 5]  # a row without it keeps weight 1
+    assert focus_weights(ids, 7, 1.0).tolist() == [[1.0] * 5] * 2
+    assert focus_weights(ids, None, 4.0).tolist() == [[1.0] * 5] * 2
+
+
+def test_focused_opd_loss_is_the_weighted_mean_of_the_per_token_divergences():
+    """Weight w on the tokens from the focus token on: the loss is sum(w * div) / sum(w) over the
+    distilled slots, so it moves towards the focused span's divergence as w grows."""
+    teacher = tiny_ar(seed=5)
+    out, replay = rollouts(teacher, block_size=4, steps=3)
+    student = BlockDiffusionLM(tiny_ar(seed=9), mask_id=MASK, block_size=4)
+    ids = replay.batch.completion_ids
+    supervised = replay.batch.loss_mask.bool()
+    focus = next(int(t) for t in ids[0, 2:][supervised[0, 2:]])  # a token rows reach after their start
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731 - the same sampled step for each call
+    plain, stats = opd_loss(student, teacher, replay, OpdSettings(student_mask="replay"), gen())
+    weighted, wstats = opd_loss(student, teacher, replay,
+                                OpdSettings(student_mask="replay", focus_token_id=focus, focus_weight=5.0), gen())
+    assert wstats["divergence"] == pytest.approx(stats["divergence"])  # the logged figure stays unweighted
+    in_span = (focus_weights(ids, focus, 2.0) > 1.0) & supervised
+    assert bool(in_span.any()) and bool((supervised & ~in_span).any())
+    fd = wstats["focus_divergence"]
+    # the weighted mean lies between the plain mean and the focused span's mean, strictly
+    assert min(float(plain), fd) < float(weighted) < max(float(plain), fd)
+    assert 0.0 <= wstats["focus_agreement"] <= 1.0
+
+
+def test_clean_view_term_vanishes_for_the_teacher_weights_and_adds_otherwise():
+    """The clean term reads the student as a causal LM: with the teacher's own weights it is 0
+    (inside a 4-slot block the masked-state term is not), with other weights it is positive and
+    reaches the parameters through the plain causal forward."""
+    teacher = tiny_ar(seed=5)
+    out, replay = rollouts(teacher, block_size=4, steps=3)
+    same = BlockDiffusionLM(tiny_ar(seed=5), mask_id=MASK, block_size=4)
+    base, _ = opd_loss(same, teacher, replay, OpdSettings(), torch.Generator().manual_seed(0))
+    both, stats = opd_loss(same, teacher, replay, OpdSettings(clean_weight=2.0), torch.Generator().manual_seed(0))
+    assert float(base) > 1e-3 and float(both) == pytest.approx(float(base), abs=1e-5)
+    assert stats["clean_divergence"] == pytest.approx(0.0, abs=1e-5) and stats["clean_agreement"] == 1.0
+    other = BlockDiffusionLM(tiny_ar(seed=9).train(), mask_id=MASK, block_size=4)
+    plain, _ = opd_loss(other, teacher, replay, OpdSettings(), torch.Generator().manual_seed(0))
+    loss, ostats = opd_loss(other, teacher, replay, OpdSettings(clean_weight=2.0), torch.Generator().manual_seed(0))
+    assert ostats["clean_divergence"] > 1e-3
+    assert float(loss) == pytest.approx(float(plain) + 2.0 * ostats["clean_divergence"], rel=1e-4)
+    loss.backward()
+    assert all(p.grad is not None for p in other.ar.parameters() if p.requires_grad)
+
+
+def test_focus_token_must_be_one_token_of_the_tokenizer(tmp_path):
+    from dgr2.tokenizer.hf import build_tokenizer
+
+    tok = build_tokenizer(["<a_1>", "<b_1>"], tmp_path)
+    assert focus_token_id(tok, "<answer>") == tok.convert_tokens_to_ids("<answer>")
+    with pytest.raises(ValueError, match="not a single token"):
+        focus_token_id(tok, "no-such-word")
 
 
 def test_teacher_logits_match_plain_ar_forward():

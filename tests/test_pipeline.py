@@ -45,6 +45,8 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
     assert {"ar_sft", "rl_l2r_tau1", "rl_l2r_tau0.5", "rl_conf_tau1", "rl_conf_tau0.5"} <= set(tau)
     assert tau["rl_block8"]["tokens_per_forward"] <= 8.0  # the decode-block row: a pass commits within 8 slots
     assert all(row["tokens_per_s_b1"] > 0 and row["speedup_vs_ar_b1"] > 0 for row in tau.values())
+    assert tau["ar_sft"]["tokens_per_forward_b1"] == 1.0  # AR: one token a pass, counted the same way
+    assert 1.0 <= tau["rl_l2r_tau0.5"]["tokens_per_forward_b1"] <= 32.0
     for name in ("opd", "rl"):  # online stages: one policy version per step, all trajectories on-policy
         history = json.loads(first[name].file("history").read_text())
         assert [h["rollout/policy_version"] for h in history] == [float(i + 1) for i in range(len(history))]

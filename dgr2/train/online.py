@@ -83,7 +83,7 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
     from dgr2.rollout import PolicySpec, RolloutPool, WeightSyncTimeout
     from dgr2.train.deepspeed_config import deepspeed_config
     from dgr2.train.harness import StageJob, _build_model, _MlflowSink, _save_checkpoint, resume_from_ray_checkpoint, worker_setup
-    from dgr2.train.online_losses import OpdSettings, RlSettings, opd_loss, rl_policy_loss
+    from dgr2.train.online_losses import OpdSettings, RlSettings, focus_token_id, opd_loss, rl_policy_loss
     from dgr2.train.replay import ReplayBatch
 
     job = StageJob(**config)
@@ -119,7 +119,11 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
         teacher = load_model(extra["teacher_dir"], str(device)).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
-    opd_settings = OpdSettings(**extra.get("opd", {}))
+    opd_extra = dict(extra.get("opd", {}))
+    focus_word = opd_extra.pop("focus_token", None)
+    if focus_word is not None and kind == "opd" and float(opd_extra.get("focus_weight", 1.0)) != 1.0:
+        opd_extra["focus_token_id"] = focus_token_id(tokenizer, focus_word)
+    opd_settings = OpdSettings(**opd_extra)
     rl_settings = RlSettings(**extra.get("rl", {}))
     reward_cfg = RewardConfig(**extra.get("reward", {}))
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)

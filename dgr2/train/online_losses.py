@@ -49,6 +49,28 @@ class OpdSettings:
     jsd_beta: float = 0.5
     teacher_top_k: int | None = None
     student_mask: str = "replay"  # "replay"/"committed": a state the decoder visited; "random": MDM masking
+    focus_token_id: int | None = None  # tokens from its first occurrence on weigh focus_weight
+    focus_weight: float = 1.0
+    clean_weight: float = 0.0  # weight of the clean-context (AR view) divergence term
+
+
+def focus_token_id(tokenizer, word: str) -> int:
+    """The id of ``word`` as one token of ``tokenizer``; a clear error when it is not one."""
+    ids = tokenizer.convert_tokens_to_ids([word])
+    if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id:
+        raise ValueError(f"opd.focus_token {word!r} is not a single token of this tokenizer; "
+                         "name a word of the trace grammar (e.g. '<answer>' or 'order')")
+    return int(ids[0])
+
+
+def focus_weights(completion_ids: torch.Tensor, token_id: int | None, weight: float) -> torch.Tensor:
+    """``(batch, Lc)`` per-token weights: ``weight`` from the first ``token_id`` of each row on
+    (that token included), 1 before it and on rows without it."""
+    ones = torch.ones(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    if token_id is None or weight == 1.0:
+        return ones
+    after = (completion_ids == token_id).long().cumsum(1) > 0
+    return torch.where(after, torch.full_like(ones, weight), ones)
 
 
 def opd_loss(
@@ -67,6 +89,10 @@ def opd_loss(
     committed at that step - the decisions actually taken there, such as a label committed
     beside a still-masked neighbour - not the far slots it left masked.  ``random``: blocks
     masked by the training schedule instead.
+
+    ``clean_weight > 0`` adds that weight times the mean divergence of the student read as the
+    causal LM it was converted from (every supervised token, clean prefix: the teacher's own
+    view) - zero exactly when the student's weights equal the teacher's.
     """
     batch = replay.batch
     supervised = batch.loss_mask.bool()
@@ -84,14 +110,32 @@ def opd_loss(
     if not bool(predicted.any()):
         raise ValueError("OPD batch has no masked completion token to distil")
     with torch.no_grad():
-        t_logits = without_mask_token(teacher_completion_logits(teacher, batch)[predicted], student.mask_id)
-        t_logp = teacher_log_probs(t_logits, settings.teacher_top_k)
+        t_all = without_mask_token(teacher_completion_logits(teacher, batch), student.mask_id)
+        t_logp = teacher_log_probs(t_all[predicted], settings.teacher_top_k)
     s_logits = without_mask_token(student.shifted_logits(batch, noisy)[predicted], student.mask_id)
     div = token_divergence(s_logits, t_logp, settings.divergence, settings.jsd_beta)
-    loss = div.mean()
+    weights = focus_weights(batch.completion_ids, settings.focus_token_id, settings.focus_weight)[predicted]
+    loss = (div * weights).sum() / weights.sum()
     with torch.no_grad():
-        agree = (s_logits.argmax(-1) == t_logp.argmax(-1)).float().mean()
-    return loss, {"divergence": float(loss.detach()), "teacher_agreement": float(agree), "distilled_tokens": float(predicted.sum())}
+        hits = (s_logits.argmax(-1) == t_logp.argmax(-1)).float()
+        stats = {"divergence": float(div.mean()), "teacher_agreement": float(hits.mean()),
+                 "distilled_tokens": float(predicted.sum())}
+        if settings.focus_token_id is not None:
+            focus = focus_weights(batch.completion_ids, settings.focus_token_id, 2.0)[predicted] > 1.0
+            if bool(focus.any()):
+                # the focused span's own figures, so a run shows whether the ranking tokens move
+                stats.update(focus_divergence=float(div[focus].mean()), focus_agreement=float(hits[focus].mean()))
+    if settings.clean_weight > 0:
+        # the student as a causal LM on the same rollout: every supervised token, clean prefix
+        c_logits = without_mask_token(teacher_completion_logits(student.ar, batch)[supervised], student.mask_id)
+        with torch.no_grad():
+            c_target = teacher_log_probs(t_all[supervised], settings.teacher_top_k)
+        c_div = token_divergence(c_logits, c_target, settings.divergence, settings.jsd_beta)
+        loss = loss + settings.clean_weight * c_div.mean()
+        with torch.no_grad():
+            stats.update(clean_divergence=float(c_div.mean()),
+                         clean_agreement=float((c_logits.argmax(-1) == c_target.argmax(-1)).float().mean()))
+    return loss, stats
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
