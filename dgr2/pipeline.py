@@ -322,7 +322,13 @@ def _request_decoders(cfg: Config, data: StageOutput, vocab: StageOutput, split:
                       specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Batch-1 decoders for the first ``cfg.eval.latency_examples`` prompts of ``split``, one per
     sweep row (``specs``: name -> model_dir, tokenizer_dir, kind and decoding overrides); a model
-    directory is loaded once however many rows decode with it."""
+    directory is loaded once however many rows decode with it.
+
+    Why batch 1 beside the batch figure: a batched CPU pass is compute-bound, so a pass over a
+    32-slot block costs far more than an AR pass over one token a row; a single request is the
+    Serve case and the paper's regime, where the speed-up is the tokens committed per pass
+    divided by what a block pass costs relative to an AR pass (2.2x on 2 CPU cores, near 1 where
+    a pass is bound by memory and launches)."""
     import torch
 
     from dgr2.eval.latency import RequestDecoder
