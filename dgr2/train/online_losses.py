@@ -110,8 +110,8 @@ def opd_loss(
     if not bool(predicted.any()):
         raise ValueError("OPD batch has no masked completion token to distil")
     with torch.no_grad():
-        t_all = without_mask_token(teacher_completion_logits(teacher, batch), student.mask_id)
-        t_logp = teacher_log_probs(t_all[predicted], settings.teacher_top_k)
+        t_raw = teacher_completion_logits(teacher, batch)
+        t_logp = teacher_log_probs(without_mask_token(t_raw[predicted], student.mask_id), settings.teacher_top_k)
     s_logits = without_mask_token(student.shifted_logits(batch, noisy)[predicted], student.mask_id)
     div = token_divergence(s_logits, t_logp, settings.divergence, settings.jsd_beta)
     weights = focus_weights(batch.completion_ids, settings.focus_token_id, settings.focus_weight)[predicted]
@@ -120,16 +120,15 @@ def opd_loss(
         hits = (s_logits.argmax(-1) == t_logp.argmax(-1)).float()
         stats = {"divergence": float(div.mean()), "teacher_agreement": float(hits.mean()),
                  "distilled_tokens": float(predicted.sum())}
-        if settings.focus_token_id is not None:
-            focus = focus_weights(batch.completion_ids, settings.focus_token_id, 2.0)[predicted] > 1.0
-            if bool(focus.any()):
-                # the focused span's own figures, so a run shows whether the ranking tokens move
-                stats.update(focus_divergence=float(div[focus].mean()), focus_agreement=float(hits[focus].mean()))
+        focus = weights > 1.0  # the focused span (focus_weight >= 1 by config)
+        if bool(focus.any()):
+            # the focused span's own figures, so a run shows whether the ranking tokens move
+            stats.update(focus_divergence=float(div[focus].mean()), focus_agreement=float(hits[focus].mean()))
     if settings.clean_weight > 0:
         # the student as a causal LM on the same rollout: every supervised token, clean prefix
         c_logits = without_mask_token(teacher_completion_logits(student.ar, batch)[supervised], student.mask_id)
         with torch.no_grad():
-            c_target = teacher_log_probs(t_all[supervised], settings.teacher_top_k)
+            c_target = teacher_log_probs(without_mask_token(t_raw[supervised], student.mask_id), settings.teacher_top_k)
         c_div = token_divergence(c_logits, c_target, settings.divergence, settings.jsd_beta)
         loss = loss + settings.clean_weight * c_div.mean()
         with torch.no_grad():
