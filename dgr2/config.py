@@ -150,6 +150,12 @@ class DiffusionConfig(_Strict):
     # this step (dgr2.decoding.commit); measured on the beauty CFT model at tau 0.9: 69.0% -> 82.3%
     # valid rankings, NDCG@10 0.612 -> 0.631, tokens a pass 2.38 -> 2.24
     defer_repeats: bool = False
+    # greedy left-to-right steps run the LM head on this many leftmost live slots at a time and
+    # stop once every row's committed run has ended (dgr2.decoding.block_loop.step_commits); 0 =
+    # every slot at once.  Outputs are identical at any value; it only skips head rows the rule
+    # would discard.  On CPU, where the head's rows are arithmetic, 8 saves most of them; on an
+    # accelerator each chunk is a host sync, so 0 (or the block size) may be faster there
+    head_chunk: int = Field(8, ge=0)
     mask_schedule: Literal["uniform", "linear", "cosine"] = "uniform"
     # Smallest mask ratio a training block can draw (t ~ schedule over [mask_eps, 1]).
     mask_eps: float = Field(1e-3, gt=0.0, lt=1.0)

@@ -56,8 +56,8 @@ TRACKED_STAGES = ("sft", "ar_rl", "mdm", "cft", "opd", "rl", "register")
 # before they existed: at that value a field is left out of the key, so caches built before it
 # stay valid; any other value is part of the key.
 KEY_NEUTRAL_FIELDS: dict[tuple[str, str], Any] = {
-    ("diffusion", "defer_repeats"): False, ("eval", "decode_block_sweep"): [], ("opd", "focus_weight"): 1.0,
-    ("opd", "focus_token"): "<answer>", ("opd", "clean_weight"): 0.0,
+    ("diffusion", "defer_repeats"): False, ("diffusion", "head_chunk"): 8, ("eval", "decode_block_sweep"): [],
+    ("opd", "focus_weight"): 1.0, ("opd", "focus_token"): "<answer>", ("opd", "clean_weight"): 0.0,
 }
 # a field only one stage reads stays out of every other stage's key, so changing it re-runs that
 # stage alone (the decode-block sweep is the report's; CFT/OPD/RL evaluate at the trained block)
@@ -256,7 +256,7 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
     return lambda prompt_ids: diffusion_generate(
         model, prompt_ids, block_size=block, max_steps_per_block=steps, threshold=tau,
         mask_id=mask_id_from_tokenizer(tokenizer), commit_order=commit_order or d.commit_order,
-        defer_repeats=d.defer_repeats, **common,
+        defer_repeats=d.defer_repeats, head_chunk=d.head_chunk, **common,
     )
 
 
@@ -749,7 +749,7 @@ def run_register(
             name=cfg.serve_model.name, version=rl.key, kind="diffusion",
             decoding={"max_steps_per_block": d.max_steps_per_block, "threshold": d.confidence_threshold,
                       "max_new_tokens": cfg.eval.max_new_tokens, "commit_order": d.commit_order,
-                      "defer_repeats": d.defer_repeats},  # block size: model/block_diffusion.json
+                      "defer_repeats": d.defer_repeats, "head_chunk": d.head_chunk},  # block: block_diffusion.json
             mlflow_run_id=mlflow_run_id, metrics=metrics, ar_model_dir=sft.file("model"),
         )
         stats: dict[str, Any] = {"metrics": metrics}

@@ -245,3 +245,64 @@ def test_evaluation_decoder_cuts_the_trained_block_smaller_keeping_the_step_floo
     assert full and len(out.steps_per_block) >= len(full) * (16 // block)
     with pytest.raises(ValueError, match="exceeds the block the model was trained with"):
         _decoder(cfg, "diffusion", tiny_ar(), tokenizer, block_size=16)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("threshold", [0.3, 0.6, 0.9])
+def test_head_chunks_decode_exactly_as_every_slot_at_once(arch, threshold):
+    """Greedy left-to-right steps read the head a chunk at a time, past the first chunk only for
+    the rows whose run is still open, and stop where every row's run ended: same commits,
+    steps, log-probs and passes as the reference, which runs the model's own head on every
+    slot; and fewer head rows than reading every slot (the point of it)."""
+    model = tiny_ar(arch)
+    kwargs = dict(block_size=8, max_steps_per_block=8, max_new_tokens=24, threshold=threshold,
+                  commit_order="left_to_right", defer_repeats=True)
+    reference = run(diffusion_generate_uncached, model, **kwargs)
+    rows_read = {}
+
+    def count_rows(module, args, output):
+        rows_read[chunk] += args[0].shape[0] * args[0].shape[1]
+
+    hook = model.lm_head.register_forward_hook(count_rows)
+    try:
+        for chunk in (0, 1, 3, 8):
+            rows_read[chunk] = 0
+            out = run(diffusion_generate, model, head_chunk=chunk, **kwargs)
+            assert out.sequences == reference.sequences and out.unmask_steps == reference.unmask_steps
+            assert out.forward_passes == reference.forward_passes
+            for a, b in zip(out.token_logprobs, reference.token_logprobs):
+                assert a == pytest.approx(b, abs=1e-5)
+    finally:
+        hook.remove()
+    assert rows_read[1] <= rows_read[3] <= rows_read[0] == rows_read[8] and rows_read[1] < rows_read[0]
+
+
+def test_head_chunks_keep_the_step_floor_and_sampling_whole():
+    """A step floor above the chunk (8 slots in 2 steps: 4 forced a step) is still met, and
+    sampled steps (rollouts) draw every slot at once, so a seed gives the same trajectory with
+    or without chunks."""
+    model = tiny_ar()
+    floor = dict(block_size=8, max_steps_per_block=2, max_new_tokens=16, threshold=0.99, commit_order="left_to_right")
+    reference = run(diffusion_generate_uncached, model, **floor)
+    chunked = run(diffusion_generate, model, head_chunk=1, **floor)
+    assert chunked.sequences == reference.sequences and chunked.unmask_steps == reference.unmask_steps
+    assert max(chunked.steps_per_block) == 2
+    sampled = dict(floor, threshold=0.5, temperature=1.0, seed=3, max_steps_per_block=8)
+    assert run(diffusion_generate, model, head_chunk=2, **sampled).sequences == \
+        run(diffusion_generate_uncached, model, **sampled).sequences
+    with pytest.raises(ValueError, match="head_chunk must be >= 0"):
+        run(diffusion_generate, model, head_chunk=-1)
+
+
+def test_split_head_only_for_heads_it_can_reproduce():
+    """The decoder reads hidden states and applies the head itself only where the model's
+    logits are exactly that (no logit scale or soft-capping), else it takes the model's logits."""
+    from types import SimpleNamespace
+
+    from dgr2.decoding.runtime import split_head
+
+    model = tiny_ar("llama")
+    decoder, head = split_head(model)
+    assert decoder is model.model and head is model.lm_head
+    capped = SimpleNamespace(config=SimpleNamespace(model_type="gemma2"))
+    assert split_head(capped) is None

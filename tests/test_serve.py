@@ -174,6 +174,21 @@ def test_a_deployment_decodes_the_trained_block_in_smaller_pieces(bundle_dir, it
         Reranker.from_bundle(str(bundle_dir), torch_threads=1, decoding={"block_size": 33})
 
 
+def test_a_deployment_sets_the_head_chunk_without_changing_outputs(bundle_dir, items: list[str]) -> None:
+    """``decoding.head_chunk`` (0 = the LM head on every slot at once, e.g. on an accelerator)
+    is a speed knob only: shown by ``GET /v1/model``, same ranking and trace as the default 8."""
+    def deployment(**decoding):  # the chunked read applies to greedy left-to-right steps
+        return Reranker.from_bundle(str(bundle_dir), torch_threads=1, decoding={"commit_order": "left_to_right", **decoding})
+
+    chunked, whole = deployment(), deployment(head_chunk=0)
+    assert (chunked.info()["decoding"]["head_chunk"], whole.info()["decoding"]["head_chunk"]) == (8, 0)
+    request = RerankInput(history=items[:3], candidates=items[5:12], decoding={"threshold": 0.5})
+    a, b = chunked.rerank(request), whole.rerank(request)
+    assert (a.ranking, a.completion, a.steps_per_block) == (b.ranking, b.completion, b.steps_per_block)
+    with pytest.raises(ValueError, match="head_chunk"):
+        Reranker.from_bundle(str(bundle_dir), torch_threads=1, decoding={"head_chunk": -1})
+
+
 def test_reranker_groups_by_decoding_settings_and_isolates_refusals(reranker: Reranker, items: list[str]) -> None:
     reqs = [
         RerankInput(history=[], candidates=items[10:15], decoding={"max_new_tokens": 4}),

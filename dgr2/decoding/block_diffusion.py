@@ -13,8 +13,11 @@ slot 0 at the last clean token before the block, whose logits are kept from the 
 
 A pass therefore costs ``block`` query tokens (plus ``block`` more on the first step), and
 AR decoding is the ``block_size = 1`` case: one pass per token, same logits.  The LM head
-runs only at the slots the loop asks for (those still masked in some row): on CPU it is
-about 40% of a pass at a 9k vocabulary, and a block is on average half committed.
+runs only at the slots the loop asks for (those still masked in some row), and for the
+architectures :func:`dgr2.decoding.runtime.split_head` knows, only when the commit rule reads
+them (:class:`dgr2.decoding.block_loop.SlotLogits`).  The attention mask of a block's later
+steps is the same at every step (same cached prefix, same noisy block), so it is built once a
+block.
 """
 
 from __future__ import annotations
@@ -26,12 +29,17 @@ from transformers import DynamicCache, PreTrainedModel
 
 from dgr2.decoding.batching import left_pad, positions_from_mask
 from dgr2.decoding.block_layout import block_layout, empty_layout, prompt_layout
-from dgr2.decoding.block_loop import BlockDecodeSettings, decode_blocks
+from dgr2.decoding.block_loop import BlockDecodeSettings, SlotLogits, decode_blocks
 from dgr2.decoding.commit import CommitOrder
 from dgr2.decoding.output import DecodeOutput
-from dgr2.decoding.runtime import model_device
+from dgr2.decoding.runtime import model_device, split_head
 from dgr2.models.block_diffusion import BlockDiffusionLM
 from dgr2.models.block_mask import TokenKind, TokenLayout, additive_mask, allowed_attention
+
+
+# slots a greedy left-to-right step reads at a time (decode_blocks' head_chunk); measured on the
+# beauty model at batch 1 on 2 CPU cores, see DiffusionConfig.head_chunk
+DEFAULT_HEAD_CHUNK = 8
 
 
 class CachedBlockPredictor:
@@ -41,6 +49,7 @@ class CachedBlockPredictor:
         self.model = model
         self.settings = settings
         self.device = model_device(model)
+        self.split = split_head(model)
         ids, mask = left_pad(prompts, settings.pad_id, self.device)
         self.prompt_len = mask.sum(1)
         self.cache = DynamicCache(config=model.config)
@@ -49,34 +58,37 @@ class CachedBlockPredictor:
         self.pending: tuple[torch.Tensor, torch.Tensor, TokenLayout] | None = (
             ids, positions_from_mask(mask), prompt_layout(mask)
         )
-        self.first_logits: torch.Tensor | None = None
+        self.first: torch.Tensor | None = None  # slot 0's hidden state (or logits), fixed within a block
+        self.step_mask: torch.Tensor | None = None  # the block's later steps' attention mask
         self.block_index = 0
         self.length = 0
         self.block_pos = torch.empty(0)
 
     def begin_block(self, block_index: int, length: int) -> None:
         self.block_index, self.length = block_index, length
+        self.step_mask = None
         offsets = block_index * self.settings.block_size + torch.arange(length, device=self.device)
         self.block_pos = self.prompt_len[:, None] + offsets
 
-    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> SlotLogits:
         rows, length = block.shape
         if self.pending is not None:
             ids, pos, layout = self.pending
             noisy = block_layout(rows, length, TokenKind.NOISY, self.block_index, self.cached.length + layout.length, self.device)
-            queries = layout.cat(noisy)
             keep = layout.length - 1 + slots  # slot i is read at the query before it (slot 0: last clean token)
-            logits = self._forward(torch.cat([ids, block], 1), torch.cat([pos, self.block_pos], 1), queries, keep)
+            out = self._forward(torch.cat([ids, block], 1), torch.cat([pos, self.block_pos], 1), self._mask(layout.cat(noisy)), keep)
             self.cached = self.cached.cat(layout)
             self.pending = None
             if int(slots[0]) != 0:
                 raise RuntimeError("the first step of a block must predict slot 0")
-            self.first_logits = logits[:, :1]
-            return logits
-        noisy = block_layout(rows, length, TokenKind.NOISY, self.block_index, self.cached.length, self.device)
+            self.first = out[:, :1]
+            return self._slot_logits(out)
+        if self.step_mask is None:
+            noisy = block_layout(rows, length, TokenKind.NOISY, self.block_index, self.cached.length, self.device)
+            self.step_mask = self._mask(noisy)
         later = slots[slots > 0]
-        logits = self._forward(block, self.block_pos, noisy, later - 1)
-        return torch.cat([self.first_logits, logits], 1) if int(slots[0]) == 0 else logits
+        out = self._forward(block, self.block_pos, self.step_mask, later - 1)
+        return self._slot_logits(torch.cat([self.first, out], 1) if int(slots[0]) == 0 else out)
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
         if len(keep) < self.prompt_len.shape[0]:
@@ -86,15 +98,24 @@ class CachedBlockPredictor:
         layout = block_layout(len(keep), self.length, TokenKind.CLEAN, self.block_index, self.cached.length, self.device)
         self.pending = (block, self.block_pos, layout)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, queries: TokenLayout, keep: torch.Tensor) -> torch.Tensor:
-        """Run ``ids`` against the cache, keep their clean part, drop the noisy block."""
-        keys = self.cached.cat(queries)
-        mask = additive_mask(allowed_attention(queries, keys), self.model.dtype)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=keep
-        )
+    def _mask(self, queries: TokenLayout) -> torch.Tensor:
+        """Additive mask of ``queries`` over the cached prefix and themselves (the training rule)."""
+        return additive_mask(allowed_attention(queries, self.cached.cat(queries)), self.model.dtype)
+
+    def _slot_logits(self, out: torch.Tensor) -> SlotLogits:
+        return SlotLogits(states=out, head=self.split[1]) if self.split else SlotLogits(logits=out)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Run ``ids`` against the cache, keep their clean part, drop the noisy block; returns
+        the final hidden states at columns ``keep`` when the head splits off, else the logits."""
+        if self.split:
+            hidden = self.split[0](input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache,
+                                   use_cache=True).last_hidden_state[:, keep]
+        else:
+            hidden = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True,
+                                logits_to_keep=keep).logits
         self.cache.crop(-self.length)
-        return out.logits
+        return hidden
 
 
 def diffusion_generate(
@@ -114,14 +135,17 @@ def diffusion_generate(
     seed: int | None = None,
     commit_order: CommitOrder = "confidence",
     defer_repeats: bool = False,
+    head_chunk: int = DEFAULT_HEAD_CHUNK,
 ) -> DecodeOutput:
     """Block-diffusion continuations (new tokens only, cut after the first stop, inclusive).
 
     ``eos_id=None`` with no ``stop_ids`` produces exactly ``max_new_tokens`` per prompt.
+    ``head_chunk``: see :func:`dgr2.decoding.block_loop.decode_blocks` (same output at any value).
     """
     return decode_blocks(
         model, prompt_ids, CachedBlockPredictor, block_size=block_size, max_steps_per_block=max_steps_per_block,
         threshold=threshold, max_new_tokens=max_new_tokens, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id,
         stop_ids=stop_ids, batch_size=batch_size,
         temperature=temperature, seed=seed, commit_order=commit_order, defer_repeats=defer_repeats,
+        head_chunk=head_chunk,
     )

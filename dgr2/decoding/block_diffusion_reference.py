@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from dgr2.decoding.batching import left_pad, positions_from_mask
 from dgr2.decoding.block_layout import block_layout, prompt_layout
-from dgr2.decoding.block_loop import BlockDecodeSettings, decode_blocks
+from dgr2.decoding.block_loop import BlockDecodeSettings, SlotLogits, decode_blocks
 from dgr2.decoding.commit import CommitOrder
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import model_device
@@ -37,7 +37,7 @@ class UncachedBlockPredictor:
     def begin_block(self, block_index: int, length: int) -> None:
         self.block_index, self.length = block_index, length
 
-    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> SlotLogits:
         rows, length = block.shape
         lp, done = self.prompt_ids.shape[1], self.completed.shape[1]
         prompt_len = self.prompt_mask.sum(1, keepdim=True)
@@ -53,7 +53,8 @@ class UncachedBlockPredictor:
         tokens = prompt_layout(self.prompt_mask).cat(clean).cat(noisy)
         mask = additive_mask(allowed_attention(tokens, tokens), self.model.dtype)
         keep = lp + done - 1 + slots  # slot i is read at the column before it
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
+        return SlotLogits(logits=logits)  # the model's own head on every slot: what the cached decoder must match
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
         self.prompt_ids, self.prompt_mask = self.prompt_ids[keep], self.prompt_mask[keep]

@@ -25,7 +25,15 @@ import torch
 from transformers import PreTrainedModel
 
 from dgr2.decoding.batching import cut_at_stop, length_sorted_batches, stop_set, validate_prompts
-from dgr2.decoding.commit import COMMIT_ORDERS, BlockState, CommitOrder, block_state, commit_step
+from dgr2.decoding.commit import (
+    COMMIT_ORDERS,
+    BlockState,
+    CommitOrder,
+    block_state,
+    choose_commits,
+    commit_step,
+    propose_tokens,
+)
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import decoding_mode
 from dgr2.models.block_diffusion import BlockDiffusionLM, require_mask_capable_attention, validate_block_size
@@ -45,9 +53,12 @@ class BlockDecodeSettings:
     temperature: float = 0.0
     commit_order: CommitOrder = "confidence"
     defer_repeats: bool = False
+    head_chunk: int = 0
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
+        if self.head_chunk < 0:
+            raise ValueError(f"head_chunk must be >= 0 (0 = every slot at once), got {self.head_chunk}")
         if self.commit_order not in COMMIT_ORDERS:
             raise ValueError(f"commit_order must be one of {COMMIT_ORDERS}, got {self.commit_order!r}")
         if not 1 <= self.max_steps_per_block <= self.block_size:
@@ -77,6 +88,34 @@ def decode_block_steps(max_steps_per_block: int, trained_block: int, decode_bloc
     return max(1, min(decode_block, -(-max_steps_per_block * decode_block // trained_block)))
 
 
+class SlotLogits:
+    """One step's predictions for its slots, with the LM head run only on the slots asked for.
+
+    Why lazy: under greedy left-to-right decoding a step commits a short run from the leftmost
+    masked slot (4.3 slots a pass on average for the beauty model), yet the head's
+    ``(slots x vocab)`` product and the softmax statistics were computed for every masked slot
+    of the block: 1.3 ms of a 5.3 ms pass for 32 slots on 2 CPU cores.  A predictor hands
+    either the final hidden states and the head (computed chunk by chunk on demand) or, for a
+    model whose head it cannot split off, ready logits.
+    """
+
+    def __init__(self, *, states: torch.Tensor | None = None, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 logits: torch.Tensor | None = None):
+        if (logits is None) == (states is None or head is None):
+            raise ValueError("SlotLogits takes either logits, or states and a head")
+        self.states, self.head, self.logits = states, head, logits
+
+    def __len__(self) -> int:
+        return (self.logits if self.logits is not None else self.states).shape[1]
+
+    def columns(self, start: int, end: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``(rows, end - start, vocab)`` logits of slots ``start:end``, of the batch rows ``rows``
+        (None: all); the caller may consume them."""
+        if self.logits is not None:
+            return self.logits[:, start:end] if rows is None else self.logits[rows, start:end]
+        return self.head(self.states[:, start:end] if rows is None else self.states[rows, start:end])
+
+
 class BlockPredictor(Protocol):
     """Per-slot logits of the current block for the rows still in the batch."""
 
@@ -84,9 +123,9 @@ class BlockPredictor(Protocol):
 
     def begin_block(self, block_index: int, length: int) -> None: ...
 
-    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``(rows, len(slots), vocab)`` predictions for the block slots ``slots`` (increasing
-        indices) given the block's current tokens."""
+    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> SlotLogits:
+        """Predictions for the block slots ``slots`` (increasing indices) given the block's
+        current tokens: one forward pass."""
         ...
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
@@ -122,16 +161,20 @@ def decode_blocks(
     seed: int | None = None,
     commit_order: CommitOrder = "confidence",
     defer_repeats: bool = False,
+    head_chunk: int = 0,
 ) -> DecodeOutput:
     """Validate, batch by length, decode each batch with ``make_predictor``'s logits.
 
     ``temperature > 0`` samples (``seed`` makes it reproducible); 0 is greedy.  ``commit_order``
     is the commit rule's order and ``defer_repeats`` its repeat deferral (:mod:`dgr2.decoding.commit`).
+    ``head_chunk > 0`` evaluates a greedy left-to-right step's slots that many at a time from the
+    left, stopping once every row's committed run has ended (:func:`step_commits`); the output
+    is identical, only work the rule would discard is skipped.
     """
     validate_prompts(prompt_ids, batch_size, max_new_tokens)
     settings = BlockDecodeSettings(
         block_size, max_steps_per_block, float(threshold), max_new_tokens, mask_id, pad_id,
-        stop_set(eos_id, stop_ids), float(temperature), commit_order, bool(defer_repeats),
+        stop_set(eos_id, stop_ids), float(temperature), commit_order, bool(defer_repeats), int(head_chunk),
     )
     ar = unwrap(model)
     record = _Record(prompt_ids)
@@ -209,10 +252,8 @@ def _decode_batch(
                     row_passes[active[r]] += 1
                 if state[r] is BlockState.OPEN:
                     taken[r] += 1
-            sub_commit, sub_tokens, sub_logp = commit_step(
-                logits, live[:, slots], settings.threshold, budget - step, settings.mask_id,
-                settings.temperature, generator, settings.commit_order, settings.defer_repeats, slots,
-            )
+            sub_commit, sub_tokens, sub_logp = step_commits(logits, live[:, slots], slots, budget - step, settings,
+                                                            generator)
             commit = torch.zeros_like(masked).index_copy_(1, slots, sub_commit)
             tokens = torch.zeros_like(block).index_copy_(1, slots, sub_tokens)
             token_logp = torch.zeros_like(logprob).index_copy_(1, slots, sub_logp)
@@ -248,3 +289,53 @@ def _decode_batch(
         record.unmask_steps[index] = record.unmask_steps[index][:kept]
         record.logprobs[index] = record.logprobs[index][:kept]
     return passes
+
+
+def step_commits(
+    logits: SlotLogits,
+    live: torch.Tensor,
+    slots: torch.Tensor,
+    steps_left: int,
+    settings: BlockDecodeSettings,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(commit, tokens, logprobs)`` over ``slots`` (``live``: ``(rows, len(slots))``).
+
+    Greedy left-to-right steps with ``settings.head_chunk > 0`` read the logits a chunk at a
+    time from the left: a slot's decision depends only on the slots left of it (and the
+    block's masked count, passed whole), and once every row has a live slot that stays masked
+    - or no live slot further right - nothing to the right can commit, so the remaining
+    columns are never computed (their tokens and log-probs are returned as 0 and are unused).
+    Only rows with a live slot are read, and past the first chunk only the rows whose run is
+    still open (in a batch of 64 a few long runs would otherwise pay the head for every row).
+    Sampling draws every slot at once, and the confidence order ranks every slot, so both take
+    the whole step."""
+    n = len(logits)
+    chunk = settings.head_chunk
+    if not chunk or chunk >= n or settings.temperature > 0 or settings.commit_order != "left_to_right":
+        return commit_step(
+            logits.columns(0, n), live, settings.threshold, steps_left, settings.mask_id, settings.temperature,
+            generator, settings.commit_order, settings.defer_repeats, slots,
+        )
+    remaining = live.sum(-1, keepdim=True)
+    tokens = torch.zeros(live.shape, dtype=torch.long, device=live.device)
+    token_logp = torch.zeros(live.shape, dtype=torch.float32, device=live.device)
+    # reading: the rows whose proposals are computed (None: all); a row done with the block
+    # (waiting for the batch's slowest row) has nothing to read
+    open_rows = live.any(-1)
+    end, reading = 0, None if bool(open_rows.all()) else open_rows.nonzero().squeeze(1)
+    while True:
+        start, end = end, min(n, end + chunk)
+        proposed, logp = propose_tokens(logits.columns(start, end, reading), settings.mask_id)
+        if reading is None:
+            tokens[:, start:end], token_logp[:, start:end] = proposed, logp
+        else:  # a row not read has no live slot, or one left of here that stays masked: it commits nothing here
+            tokens[reading, start:end], token_logp[reading, start:end] = proposed, logp
+        commit = choose_commits(
+            tokens[:, :end], token_logp[:, :end], live[:, :end], settings.threshold, steps_left,
+            settings.commit_order, settings.defer_repeats, slots[:end], remaining,
+        )
+        extend = ~(live[:, :end] & ~commit).any(-1) & live[:, end:].any(-1)
+        if end == n or not extend.any():
+            return torch.cat([commit, commit.new_zeros((commit.shape[0], n - end))], 1), tokens, token_logp
+        reading = None if bool(extend.all()) else extend.nonzero().squeeze(1)

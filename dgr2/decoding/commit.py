@@ -73,10 +73,16 @@ def commit_step(
     slots' block positions when the step sees a subset of the block's slots (adjacency is
     positional); None means the ``L`` slots are contiguous.
     """
-    if order not in COMMIT_ORDERS:
-        raise ValueError(f"unknown commit order {order!r}; choose one of {COMMIT_ORDERS}")
-    if steps_left < 1:
-        raise ValueError(f"steps_left must be >= 1, got {steps_left}")
+    tokens, token_logp = propose_tokens(logits, mask_id, temperature, generator)
+    commit = choose_commits(tokens, token_logp, masked, threshold, steps_left, order, defer_repeats, positions)
+    return commit, tokens, token_logp
+
+
+def propose_tokens(
+    logits: torch.Tensor, mask_id: int, temperature: float = 0.0, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, logprobs)``: each slot's proposal (never ``[MASK]``) and its log-probability
+    (see :func:`commit_step`; ``logits`` is consumed)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     logits = logits.float()  # no copy when already float32: the caller hands over a fresh tensor
@@ -85,12 +91,37 @@ def commit_step(
         logp = (logits / temperature).log_softmax(-1)
         flat = logp.exp().reshape(-1, logp.shape[-1])
         tokens = torch.multinomial(flat, 1, generator=generator).reshape(logp.shape[:-1])
-        token_logp = logp.gather(-1, tokens[..., None]).squeeze(-1)
-    else:  # argmax and its log-prob without materialising a (rows, slots, vocab) log-softmax
-        best, tokens = logits.max(-1)
-        token_logp = best - logits.logsumexp(-1)
+        return tokens, logp.gather(-1, tokens[..., None]).squeeze(-1)
+    # argmax and its log-prob without materialising a (rows, slots, vocab) log-softmax
+    best, tokens = logits.max(-1)
+    return tokens, best - logits.logsumexp(-1)
+
+
+def choose_commits(
+    tokens: torch.Tensor,
+    token_logp: torch.Tensor,
+    masked: torch.Tensor,
+    threshold: float,
+    steps_left: int,
+    order: CommitOrder = "confidence",
+    defer_repeats: bool = False,
+    positions: torch.Tensor | None = None,
+    remaining: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which of the ``(rows, L)`` masked slots commit their proposals this step.
+
+    ``remaining`` (``(rows, 1)``) is each row's count of masked slots in the whole block when
+    the ``L`` slots are only its leftmost ones (the step floor is a share of the whole block);
+    None counts ``masked``.  Under ``left_to_right`` the decision on a slot depends only on the
+    slots to its left, which is what lets a decoder evaluate the proposals in chunks from the
+    left and stop at the first chunk where every row's run has ended."""
+    if order not in COMMIT_ORDERS:
+        raise ValueError(f"unknown commit order {order!r}; choose one of {COMMIT_ORDERS}")
+    if steps_left < 1:
+        raise ValueError(f"steps_left must be >= 1, got {steps_left}")
     confidence = token_logp.exp().masked_fill(~masked, float("-inf"))
-    remaining = masked.sum(-1, keepdim=True)
+    if remaining is None:
+        remaining = masked.sum(-1, keepdim=True)
     floor = torch.where(remaining > 0, (remaining + steps_left - 1) // steps_left, remaining)
     # tau >= 1 means one slot a step by definition: in float32 a probability within ~6e-8 of 1
     # rounds to exactly 1.0, which passed `>= 1.0` and let such slots commit in parallel
@@ -107,13 +138,11 @@ def commit_step(
         # masked one that is neither forced nor confident
         forced = masked & (masked.long().cumsum(-1) <= floor)
         blocked = masked & ~(confident | forced)
-        commit = masked & (confident | forced) & (blocked.long().cumsum(-1) == 0)
-        return commit, tokens, token_logp
+        return masked & (confident | forced) & (blocked.long().cumsum(-1) == 0)
     ranked = torch.sort(confidence, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(ranked)
     rank.scatter_(-1, ranked, torch.arange(ranked.shape[-1], device=ranked.device).expand_as(ranked))
-    commit = masked & (confident | (rank < floor))
-    return commit, tokens, token_logp
+    return masked & (confident | (rank < floor))
 
 
 class BlockState(Enum):

@@ -211,7 +211,7 @@ class Reranker:
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
         self.block_size: int | None  # the decode block (None for AR): trained block unless set smaller
-        self.block_size, self.defaults, self.commit_order, self.defer_repeats = self._defaults()
+        self.block_size, self.defaults, self.commit_order, self.defer_repeats, self.head_chunk = self._defaults()
         self._lock = threading.Lock()
 
     @classmethod
@@ -235,23 +235,24 @@ class Reranker:
         if missing:
             raise BundleError(f"bundle {self.bundle.source}: {len(missing)} catalog SID tokens are not in the tokenizer, e.g. {missing[:5]}")
 
-    def _defaults(self) -> tuple[int | None, DecodeParams, str, bool]:
-        """The decode block, decoding defaults, the commit order and repeat deferral: built-in
-        fallback < bundle < deployment settings."""
+    def _defaults(self) -> tuple[int | None, DecodeParams, str, bool, int]:
+        """The decode block, decoding defaults, the commit order, repeat deferral and head chunk:
+        built-in fallback < bundle < deployment settings."""
         merged = dict(FALLBACK_DECODING)
         for source in (self.bundle.meta.decoding, self.settings.decoding):
             merged.update({k: v for k, v in source.model_dump().items() if v is not None})
         merged["max_new_tokens"] = min(int(merged["max_new_tokens"]), self.settings.max_new_tokens_cap)
         order = str(merged["commit_order"])
         defer = bool(merged["defer_repeats"])
+        chunk = int(merged["head_chunk"])
         if self.kind == "ar":
-            return None, DecodeParams(None, None, merged["max_new_tokens"]), order, defer
+            return None, DecodeParams(None, None, merged["max_new_tokens"]), order, defer, chunk
         trained = self.trained_block_size
         assert trained is not None
         block = int(merged["block_size"] or trained)
         steps = decode_block_steps(int(merged["max_steps_per_block"]), trained, block)  # refuses block > trained
         threshold = max(float(merged["threshold"]), self.settings.min_threshold)
-        return block, DecodeParams(threshold, steps, merged["max_new_tokens"]), order, defer
+        return block, DecodeParams(threshold, steps, merged["max_new_tokens"]), order, defer, chunk
 
     def info(self) -> dict[str, Any]:
         """What ``GET /v1/model`` shows."""
@@ -274,6 +275,7 @@ class Reranker:
                 "trained_block_size": self.trained_block_size,
                 "commit_order": self.commit_order if self.kind == "diffusion" else None,
                 "defer_repeats": self.defer_repeats if self.kind == "diffusion" else None,
+                "head_chunk": self.head_chunk if self.kind == "diffusion" else None,
             },
             "limits": {
                 "max_candidates": s.max_candidates,
@@ -433,7 +435,7 @@ class Reranker:
                     self.model, prompts, block_size=self.block_size, max_steps_per_block=params.max_steps_per_block,
                     threshold=params.threshold, max_new_tokens=params.max_new_tokens, mask_id=self.mask_id,
                     eos_id=self.eos_id, pad_id=self.pad_id, stop_ids=self.stop_ids, batch_size=len(prompts),
-                    commit_order=self.commit_order, defer_repeats=self.defer_repeats,
+                    commit_order=self.commit_order, defer_repeats=self.defer_repeats, head_chunk=self.head_chunk,
                 )
             else:
                 out = ar_generate(

@@ -60,11 +60,14 @@ class DecodingDefaults(BaseModel):
     # decode block: None = the block the model was trained with; smaller (down to 1) cuts the
     # cost of a batched pass, which recomputes the whole block (eval.decode_block_sweep measures it)
     block_size: int | None = Field(None, ge=1, le=64)
+    # greedy left-to-right steps run the LM head on this many slots at a time (0 = all at once);
+    # same output at any value, only the work differs (config.DiffusionConfig.head_chunk)
+    head_chunk: int | None = Field(None, ge=0, le=64)
 
 
 # Used when neither the settings nor the bundle say anything (paper-style threshold rule).
 FALLBACK_DECODING = {"threshold": 0.9, "max_steps_per_block": 8, "max_new_tokens": 224, "commit_order": "confidence",
-                     "defer_repeats": False, "block_size": None}
+                     "defer_repeats": False, "block_size": None, "head_chunk": 8}
 
 
 class ServeSettings(BaseModel):
