@@ -61,6 +61,21 @@ def test_corrupt_checkpoint_is_detected_and_skipped(tmp_path):
     assert latest_good_checkpoint([good, bad]) == good
 
 
+def test_deepspeed_skips_its_shm_comm_op_instead_of_compiling_it(monkeypatch):
+    """The CPU shared-memory all-reduce op (inference only) is marked off before DeepSpeed starts,
+    so its comm backend gets no op and nothing is compiled; a renamed op fails here, not slowly."""
+    import importlib
+
+    import deepspeed.ops
+
+    from dgr2.train.harness import SHM_COMM_OP, skip_deepspeed_shm_comm_op
+
+    assert SHM_COMM_OP in deepspeed.ops.__compatible_ops__  # DeepSpeed still names the op this way
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, SHM_COMM_OP, deepspeed.ops.__compatible_ops__[SHM_COMM_OP])
+    skip_deepspeed_shm_comm_op()
+    assert importlib.import_module("deepspeed.comm.torch").build_shm_op() is None
+
+
 @pytest.mark.slow
 def test_two_worker_deepspeed_training_reduces_loss(tmp_path, ray_session):
     from dgr2.train.harness import StageJob, run_stage

@@ -123,6 +123,24 @@ def _save_checkpoint(engine, job: StageJob, tokenizer, rank: int, state: dict[st
     return root
 
 
+# DeepSpeed's name for its CPU shared-memory all-reduce op (``ShareMemCommBuilder.NAME``)
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_deepspeed_shm_comm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op.
+
+    On a CPU accelerator DeepSpeed's comm backend builds that C++ op when it starts (~70 s on a
+    fresh 2-core machine, and a reload every stage after), yet only ``inference_all_reduce``
+    (tensor-parallel inference) calls it: ZeRO's gradient reduce-scatter and all-gather go through
+    ``torch.distributed`` (gloo) either way.  Marking the op incompatible makes DeepSpeed skip
+    the build; training is unchanged.  On GPUs the op does not exist, so this is a no-op there.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
 def worker_setup(cfg: TrainConfig) -> tuple[int, int]:
     """``(rank, world)`` of this Ray Train worker; seeds torch per rank and, on CPU, splits the
     node's cores between its local workers (oversubscribed threads spin and crawl)."""
@@ -132,6 +150,7 @@ def worker_setup(cfg: TrainConfig) -> tuple[int, int]:
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.manual_seed(cfg.seed + rank)
+    skip_deepspeed_shm_comm_op()
     if not cfg.use_gpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, context.get_local_world_size())))
     return rank, world
