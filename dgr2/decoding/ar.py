@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from dgr2.decoding.batching import (
     cut_at_stop,
@@ -23,6 +23,7 @@ from dgr2.decoding.batching import (
     stop_set,
     validate_prompts,
 )
+from dgr2.decoding.kv_cache import decoding_cache
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import decoding_mode, model_device
 
@@ -77,7 +78,7 @@ def _decode_batch(
     device = model_device(model)
     ids, mask = left_pad(prompts, pad_id, device)
     positions = positions_from_mask(mask)
-    cache = DynamicCache(config=model.config)
+    cache = decoding_cache(model, capacity=ids.shape[1] + max_new_tokens)
     active = list(range(len(prompts)))  # batch row -> slot in `indices`
     passes = 0
     step_input, step_positions = ids, positions

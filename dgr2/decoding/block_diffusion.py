@@ -17,7 +17,8 @@ runs only at the slots the loop asks for (those still masked in some row), and f
 architectures :func:`dgr2.decoding.runtime.split_head` knows, only when the commit rule reads
 them (:class:`dgr2.decoding.block_loop.SlotLogits`).  The attention mask of a block's later
 steps is the same at every step (same cached prefix, same noisy block), so it is built once a
-block.
+block.  The cache writes in place, and a later step of a batch runs only the rows whose block is
+still open, over a read-only view of their cache (:mod:`dgr2.decoding.kv_cache`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from dgr2.decoding.batching import left_pad, positions_from_mask
 from dgr2.decoding.block_layout import block_layout, empty_layout, prompt_layout
 from dgr2.decoding.block_loop import BlockDecodeSettings, SlotLogits, decode_blocks
 from dgr2.decoding.commit import CommitOrder
+from dgr2.decoding.kv_cache import decoding_cache, supports_rows_view
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import model_device, split_head
 from dgr2.models.block_diffusion import BlockDiffusionLM
@@ -52,7 +54,8 @@ class CachedBlockPredictor:
         self.split = split_head(model)
         ids, mask = left_pad(prompts, settings.pad_id, self.device)
         self.prompt_len = mask.sum(1)
-        self.cache = DynamicCache(config=model.config)
+        # room for the padded prompt, every completed block and the noisy block on top
+        self.cache = decoding_cache(model, capacity=ids.shape[1] + settings.max_new_tokens + settings.block_size)
         self.cached = empty_layout(len(prompts), self.device)
         # tokens to write into the cache with the next step (the prompt, then each finished block)
         self.pending: tuple[torch.Tensor, torch.Tensor, TokenLayout] | None = (
@@ -70,11 +73,11 @@ class CachedBlockPredictor:
         offsets = block_index * self.settings.block_size + torch.arange(length, device=self.device)
         self.block_pos = self.prompt_len[:, None] + offsets
 
-    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> SlotLogits:
-        rows, length = block.shape
+    def block_logits(self, block: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor | None = None) -> SlotLogits:
+        n_rows, length = block.shape
         if self.pending is not None:
             ids, pos, layout = self.pending
-            noisy = block_layout(rows, length, TokenKind.NOISY, self.block_index, self.cached.length + layout.length, self.device)
+            noisy = block_layout(n_rows, length, TokenKind.NOISY, self.block_index, self.cached.length + layout.length, self.device)
             keep = layout.length - 1 + slots  # slot i is read at the query before it (slot 0: last clean token)
             out = self._forward(torch.cat([ids, block], 1), torch.cat([pos, self.block_pos], 1), self._mask(layout.cat(noisy)), keep)
             self.cached = self.cached.cat(layout)
@@ -84,10 +87,16 @@ class CachedBlockPredictor:
             self.first = out[:, :1]
             return self._slot_logits(out)
         if self.step_mask is None:
-            noisy = block_layout(rows, length, TokenKind.NOISY, self.block_index, self.cached.length, self.device)
+            noisy = block_layout(n_rows, length, TokenKind.NOISY, self.block_index, self.cached.length, self.device)
             self.step_mask = self._mask(noisy)
         later = slots[slots > 0]
-        out = self._forward(block, self.block_pos, self.step_mask, later - 1)
+        if rows is not None and len(rows) < n_rows and supports_rows_view(self.cache):
+            # only the rows still open in this block: the others' predictions are never read
+            part = self._forward(block[rows], self.block_pos[rows], self.step_mask[rows], later - 1,
+                                 cache=self.cache.rows_view(rows))
+            out = part.new_zeros((n_rows, *part.shape[1:])).index_copy_(0, rows, part)
+        else:
+            out = self._forward(block, self.block_pos, self.step_mask, later - 1)
         return self._slot_logits(torch.cat([self.first, out], 1) if int(slots[0]) == 0 else out)
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
@@ -105,16 +114,21 @@ class CachedBlockPredictor:
     def _slot_logits(self, out: torch.Tensor) -> SlotLogits:
         return SlotLogits(states=out, head=self.split[1]) if self.split else SlotLogits(logits=out)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor,
+                 cache: Cache | None = None) -> torch.Tensor:
         """Run ``ids`` against the cache, keep their clean part, drop the noisy block; returns
-        the final hidden states at columns ``keep`` when the head splits off, else the logits."""
+        the final hidden states at columns ``keep`` when the head splits off, else the logits.
+        ``cache``: a rows view of the cache (:meth:`KVCache.rows_view`), which keeps nothing."""
+        view = cache is not None
+        cache = cache if view else self.cache
         if self.split:
-            hidden = self.split[0](input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache,
+            hidden = self.split[0](input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                                    use_cache=True).last_hidden_state[:, keep]
         else:
-            hidden = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True,
+            hidden = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                                 logits_to_keep=keep).logits
-        self.cache.crop(-self.length)
+        if not view:
+            self.cache.crop(-self.length)
         return hidden
 
 

@@ -37,7 +37,8 @@ class UncachedBlockPredictor:
     def begin_block(self, block_index: int, length: int) -> None:
         self.block_index, self.length = block_index, length
 
-    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> SlotLogits:
+    def block_logits(self, block: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor | None = None) -> SlotLogits:
+        # every row is recomputed whatever ``rows`` says: the reference trades speed for simplicity
         rows, length = block.shape
         lp, done = self.prompt_ids.shape[1], self.completed.shape[1]
         prompt_len = self.prompt_mask.sum(1, keepdim=True)

@@ -123,9 +123,10 @@ class BlockPredictor(Protocol):
 
     def begin_block(self, block_index: int, length: int) -> None: ...
 
-    def block_logits(self, block: torch.Tensor, slots: torch.Tensor) -> SlotLogits:
+    def block_logits(self, block: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor | None = None) -> SlotLogits:
         """Predictions for the block slots ``slots`` (increasing indices) given the block's
-        current tokens: one forward pass."""
+        current tokens: one forward pass.  ``rows`` (None: all) are the batch rows whose
+        predictions will be read; a predictor may skip the others (their values are unused)."""
         ...
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
@@ -245,7 +246,9 @@ def _decode_batch(
             open_rows = torch.tensor([s is BlockState.OPEN for s in state], device=device)
             live = masked & open_rows[:, None]
             slots = live.any(0).nonzero().squeeze(1)  # only these slots can commit this step
-            logits = predictor.block_logits(block, slots)
+            # rows done with the block wait for the slowest one: their predictions are not read
+            reading = None if bool(open_rows.all()) else open_rows.nonzero().squeeze(1)
+            logits = predictor.block_logits(block, slots, reading)
             passes += 1
             for r in range(rows):
                 if state[r] is not BlockState.STOPPED:
