@@ -67,7 +67,11 @@ class PreallocatedLayer(DynamicLayer):
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self._expose()
+
+    def _expose(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Point ``keys``/``values`` (what transformers reads) at the filled part of the buffers."""
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -81,7 +85,7 @@ class PreallocatedLayer(DynamicLayer):
         if -tokens_to_remove > self.length:
             raise ValueError(f"cannot crop {-tokens_to_remove} tokens from a cache of {self.length}")
         self.length += tokens_to_remove
-        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+        self._expose()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -91,7 +95,7 @@ class PreallocatedLayer(DynamicLayer):
             new = old.new_empty((len(indices), *old.shape[1:]))
             new[:, :, : self.length] = old[indices, :, : self.length]
             setattr(self, name, new)
-        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+        self._expose()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("the decoding cache does not repeat rows (no beam search here)")
