@@ -13,4 +13,4 @@ pipeline: $(VENV)/.installed
 	$(PY) flows/full_pipeline.py --config $(PROFILE)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --timeout 1200
+	$(PY) -m pytest -q --timeout 1200 -n 2 --dist loadfile --no-loadscope-reorder

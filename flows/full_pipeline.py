@@ -90,7 +90,11 @@ def main(argv: list[str] | None = None) -> dict[str, StageOutput]:
     runs_dir = Path(cfg.pipeline.runs_dir).resolve()
     run_name = args.run_name or f"{cfg.profile}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     run_dir = runs_dir / run_name
-    run_dir.mkdir(parents=True, exist_ok=False)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+    except FileExistsError:
+        raise SystemExit(f"--run-name {run_name!r}: {run_dir} already exists (a run keeps its own folder); "
+                         f"pick another name - built stages are shared and reused either way") from None
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     store = StageStore(runs_dir / "stages")
 

@@ -123,7 +123,7 @@ def _check_pip(pip: list[str], where: str) -> None:
         assert name in pins, f"{where}: {spec} is not in requirements.txt"
         assert spec == pins[name], f"{where}: {spec} != requirements.txt's {pins[name]}"
     assert "ray" not in {_pip_name(s) for s in pip}, f"{where}: ray must come from the image, not pip"
-    runtime = set(pins) - {"ray", "pytest", "pytest-timeout", "hypothesis"}
+    runtime = set(pins) - {"ray", "pytest", "pytest-timeout", "pytest-xdist", "hypothesis"}
     missing = runtime - {_pip_name(s) for s in pip}
     assert not missing, f"{where}: runtime requirements missing from pip: {sorted(missing)}"
 

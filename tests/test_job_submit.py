@@ -41,6 +41,7 @@ VENV_BIN = Path(sys.executable).parent
 JOB_STAGES = "eval"
 JOB_OVERRIDES = ["data.max_eval_examples=16", "eval.splits=[test]"]
 JOB_TIMEOUT_S = 1200
+START_ATTEMPTS = 3
 
 
 def _expected_stages() -> list[str]:
@@ -68,6 +69,9 @@ def _env() -> dict[str, str]:
         "RAY_AUTH_MODE": "disabled",  # Ray 2.60 turns token auth on by default; loopback test cluster
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_DEDUP_LOGS": "0",
+        # `ray start --head` gives the dashboard 60 s to come up, which a loaded 2-core machine
+        # (the suite runs two test processes) missed once: 13:13:11 -> "Failed to start the dashboard"
+        "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "300",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
         # the job's `python` is resolved through the raylet's PATH: this venv's interpreter
@@ -88,6 +92,10 @@ class LocalCluster:
         self.logs.mkdir(parents=True)
         self.env = _env()
         self.procs: list[subprocess.Popen] = []
+        self.attempt = 0
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
         (self.gcs_port, self.dash_port, self.client_port, *self.node_ports) = _free_ports(3 + 2 * 5)
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard = f"http://127.0.0.1:{self.dash_port}"
@@ -103,12 +111,34 @@ class LocalCluster:
         ]
 
     def _start(self, name: str, args: list[str]) -> None:
-        log = open(self.logs / f"{name}.log", "w")
+        log = open(self.logs / f"{name}-{self.attempt}.log", "w")
         proc = subprocess.Popen([str(VENV_BIN / "ray"), "start", *args], env=self.env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root)
         self.procs.append(proc)
 
-    def start(self) -> None:
+    def start(self, attempts: int = START_ATTEMPTS) -> None:
+        """Start both nodes; a start that fails is torn down and retried on fresh ports.
+
+        `ray start` gives a raylet a fixed 30 s to register with the GCS (not configurable in
+        Ray 2.60); on a loaded 2-core machine (the suite runs two test processes) the worker
+        node once missed it ("The current node timed out during startup").
+        """
+        for self.attempt in range(1, attempts + 1):
+            try:
+                self._start_once()
+                return
+            except (RuntimeError, TimeoutError) as exc:
+                if self.attempt == attempts:
+                    raise
+                print(f"[job-submit] cluster start attempt {self.attempt} failed ({str(exc)[:200]}...); retrying",
+                      flush=True)
+                self.stop()
+                self.procs = []
+                for temp_dir in self.temp_dirs:
+                    shutil.rmtree(temp_dir, ignore_errors=True)
+                self._pick_ports()
+
+    def _start_once(self) -> None:
         self._start("head", ["--head", f"--port={self.gcs_port}", f"--dashboard-port={self.dash_port}",
                              "--dashboard-host=127.0.0.1", "--include-dashboard=true",
                              f"--ray-client-server-port={self.client_port}", *self._node_args(0)])

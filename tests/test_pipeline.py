@@ -176,3 +176,18 @@ def test_a_decode_block_larger_than_the_trained_block_is_refused():
     with pytest.raises(ValueError, match="exceeds diffusion.block_size"):
         load_config("tiny", ["eval.decode_block_sweep=[64]", "diffusion.block_size=32"])
     assert load_config("tiny", ["eval.decode_block_sweep=[16,8]"]).eval.decode_block_sweep == [16, 8]
+
+
+def test_flow_refuses_a_run_name_already_taken(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("full_pipeline", Path(__file__).parent.parent / "flows" / "full_pipeline.py")
+    flow = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flow)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit, match="'taken'.*already exists.*pick another name"):
+        flow.main(["--config", "tiny", "--run-name", "taken", "--set", f"pipeline.runs_dir={tmp_path}"])
+    assert (tmp_path / "taken" / "summary.json").read_text() == "{}"  # the old run is left as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing else made
