@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--commit-order", choices=["confidence", "left_to_right"], default="confidence",
                    help="which slots a step may commit (dgr2.decoding.commit)")
+    p.add_argument("--whole-last-layer-too", action="store_true",
+                   help="also time diffusion with the last layer run at every query (defer_last_layer=False), "
+                        "interleaved with the others: the deferred last layer's gain, side by side")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
@@ -114,27 +117,34 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def run_cell(model, prompts, length: int, batch_size: int, mask_id: int, args, repeats: int) -> dict[str, Any]:
     """Time both decoders ``repeats`` times, interleaved so load on a shared host hits both."""
     common = dict(max_new_tokens=length, eos_id=None, pad_id=PAD_ID, batch_size=batch_size)
-    runs: dict[str, list[DecodeOutput]] = {"ar": [], "diffusion": []}
+    names = ["ar", "diffusion"] + (["diffusion_whole"] if args.whole_last_layer_too else [])
+    runs: dict[str, list[DecodeOutput]] = {name: [] for name in names}
     for _ in range(repeats):
         runs["ar"].append(ar_generate(model, prompts, **common))
-        runs["diffusion"].append(diffusion_generate(
-            model, prompts, block_size=args.block_size, max_steps_per_block=args.steps, threshold=args.threshold,
-            mask_id=mask_id, commit_order=args.commit_order, **common,
-        ))
+        for name in names[1:]:
+            runs[name].append(diffusion_generate(
+                model, prompts, block_size=args.block_size, max_steps_per_block=args.steps, threshold=args.threshold,
+                mask_id=mask_id, commit_order=args.commit_order, defer_last_layer=name == "diffusion", **common,
+            ))
     for name, outs in runs.items():
         lengths = {len(s) for out in outs for s in out.sequences}
         if lengths != {length}:
             raise RuntimeError(f"{name} produced lengths {sorted(lengths)}, expected exactly {length}")
-    ar, diff = (_metrics(name, runs[name], args.statistic) for name in ("ar", "diffusion"))
-    return {
+    if "diffusion_whole" in runs and runs["diffusion_whole"][-1].sequences != runs["diffusion"][-1].sequences:
+        raise RuntimeError("the deferred last layer changed the decoded tokens")
+    metrics = {name: _metrics(name, runs[name], args.statistic) for name in names}
+    row = {
         "length": length,
         "batch_size": batch_size,
         "sequences": len(prompts),
-        **ar,
-        **diff,
+        **{k: v for m in metrics.values() for k, v in m.items()},
         "diffusion_mean_steps_per_block": runs["diffusion"][-1].mean_steps_per_block,
-        "ratio": diff["diffusion_tokens_per_s"] / ar["ar_tokens_per_s"],
+        "ratio": metrics["diffusion"]["diffusion_tokens_per_s"] / metrics["ar"]["ar_tokens_per_s"],
     }
+    if "diffusion_whole" in metrics:
+        row["ratio_whole_last_layer"] = (
+            metrics["diffusion_whole"]["diffusion_whole_tokens_per_s"] / metrics["ar"]["ar_tokens_per_s"])
+    return row
 
 
 def _metrics(name: str, outs: list[DecodeOutput], statistic: str) -> dict[str, Any]:
@@ -154,7 +164,10 @@ def _metrics(name: str, outs: list[DecodeOutput], statistic: str) -> dict[str, A
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    whole = "ratio_whole_last_layer" in rows[0]
     head = f"{'len':>5} {'bs':>4} {'AR tok/s':>10} {'diff tok/s':>11} {'ratio':>6} {'AR fwd/seq':>10} {'diff fwd/seq':>12} {'diff tok/fwd':>12}"
+    if whole:
+        head += f" {'whole-layer ratio':>17}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -162,6 +175,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['length']:>5} {r['batch_size']:>4} {r['ar_tokens_per_s']:>10.1f} {r['diffusion_tokens_per_s']:>11.1f} "
             f"{r['ratio']:>6.2f} {r['ar_forward_passes_per_sequence']:>10.1f} "
             f"{r['diffusion_forward_passes_per_sequence']:>12.1f} {r['diffusion_tokens_per_forward']:>12.2f}"
+            + (f" {r['ratio_whole_last_layer']:>17.2f}" if whole else "")
         )
 
 
@@ -220,6 +234,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "settings": {
             "device": args.device, "dtype": args.dtype, "block_size": args.block_size, "steps": args.steps,
             "threshold": args.threshold, "commit_order": args.commit_order, "prompt_len": args.prompt_len, "batches": args.batches,
+            "whole_last_layer_too": args.whole_last_layer_too,
             "repeats": args.repeats, "statistic": args.statistic, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "host": platform.node(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -36,6 +36,17 @@ def test_benchmark_writes_json_and_plot(tmp_path):
         assert row["diffusion_tokens_per_forward"] == pytest.approx(2.0)
 
 
+def test_benchmark_times_the_whole_last_layer_side_by_side(tmp_path):
+    rows = load_benchmark().main([
+        "--profile", "tiny", "--vocab-size", "64", "--lengths", "8", "--batch-sizes", "2", "--prompt-len", "6",
+        "--block-size", "4", "--steps", "2", "--repeats", "1", "--out-dir", str(tmp_path), "--tag", "w",
+        "--whole-last-layer-too",
+    ])
+    (row,) = rows
+    assert row["ratio_whole_last_layer"] == pytest.approx(row["diffusion_whole_tokens_per_s"] / row["ar_tokens_per_s"])
+    assert row["diffusion_whole_forward_passes"] == row["diffusion_forward_passes"]  # same schedule, same tokens
+
+
 def test_benchmark_refuses_steps_above_block_size():
     with pytest.raises(SystemExit):
         load_benchmark().parse_args(["--block-size", "4", "--steps", "8"])

@@ -15,7 +15,8 @@ A pass therefore costs ``block`` query tokens (plus ``block`` more on the first 
 AR decoding is the ``block_size = 1`` case: one pass per token, same logits.  The LM head
 runs only at the slots the loop asks for (those still masked in some row), and for the
 architectures :func:`dgr2.decoding.runtime.split_head` knows, only when the commit rule reads
-them (:class:`dgr2.decoding.block_loop.SlotLogits`).  The attention mask of a block's later
+them (:class:`dgr2.decoding.block_loop.SlotLogits`); for the Llama family the last layer too
+runs only at the slots read (:mod:`dgr2.decoding.last_layer`).  The attention mask of a block's later
 steps is the same at every step (same cached prefix, same noisy block), so it is built once a
 block.  The cache writes in place, and a later step of a batch runs only the rows whose block is
 still open, over a read-only view of their cache (:mod:`dgr2.decoding.kv_cache`).
@@ -24,15 +25,19 @@ still open, over a read-only view of their cache (:mod:`dgr2.decoding.kv_cache`)
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 from transformers import Cache, PreTrainedModel
 
 from dgr2.decoding.batching import left_pad, positions_from_mask
 from dgr2.decoding.block_layout import block_layout, empty_layout, prompt_layout
-from dgr2.decoding.block_loop import BlockDecodeSettings, SlotLogits, decode_blocks
+from dgr2.decoding.block_loop import BlockDecodeSettings, SlotLogits, decode_blocks, unwrap
 from dgr2.decoding.commit import CommitOrder
 from dgr2.decoding.kv_cache import decoding_cache, supports_rows_view
+from dgr2.decoding import last_layer
+from dgr2.decoding.last_layer import LastLayerReader, reading_last_layer
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import model_device, split_head
 from dgr2.models.block_diffusion import BlockDiffusionLM
@@ -44,14 +49,59 @@ from dgr2.models.block_mask import TokenKind, TokenLayout, additive_mask, allowe
 DEFAULT_HEAD_CHUNK = 8
 
 
-class CachedBlockPredictor:
-    """Step logits from one forward over the current block against a KV cache of the prefix."""
+class DeferredSlotStates:
+    """A pass's slot states read through a :class:`LastLayerReader`: each read runs the last
+    layer at just those slots (:class:`dgr2.decoding.block_loop.SlotStates`).
 
-    def __init__(self, model: PreTrainedModel, prompts: list[Sequence[int]], settings: BlockDecodeSettings):
+    ``columns``: the pass's query column of each slot (after ``first``, when given: slot 0's
+    state kept from the block's first step); ``computed``: the batch rows the pass ran, of
+    ``n_rows`` (None: all of them)."""
+
+    def __init__(self, reader: LastLayerReader, columns: torch.Tensor, n_rows: int,
+                 computed: torch.Tensor | None = None, first: torch.Tensor | None = None):
+        self.reader, self.pass_index = reader, reader.passes
+        self.cols, self.n_rows, self.computed, self.first = columns, n_rows, computed, first
+        self.position: torch.Tensor | None = None
+        if computed is not None:  # full-batch row -> row of the pass
+            self.position = torch.full((n_rows,), -1, dtype=torch.long, device=columns.device)
+            self.position[computed] = torch.arange(len(computed), device=columns.device)
+
+    def __len__(self) -> int:
+        return len(self.cols) + (self.first is not None)
+
+    def columns(self, start: int, end: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        parts = []
+        lo, hi = start, end
+        if self.first is not None:
+            if start == 0 and end > 0:
+                parts.append(self.first if rows is None else self.first[rows])
+            lo, hi = max(start, 1) - 1, end - 1
+        if hi > lo:
+            parts.append(self._read(self.cols[lo:hi], rows))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+    def _read(self, cols: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        if self.computed is None:
+            return self.reader.read(cols, rows, pass_index=self.pass_index)
+        if rows is not None:  # the caller reads only rows the pass ran
+            return self.reader.read(cols, self.position[rows], pass_index=self.pass_index)
+        part = self.reader.read(cols, None, pass_index=self.pass_index)
+        return part.new_zeros((self.n_rows, *part.shape[1:])).index_copy_(0, self.computed, part)
+
+
+class CachedBlockPredictor:
+    """Step logits from one forward over the current block against a KV cache of the prefix.
+
+    ``reader``: the model's last layer wrapped by :func:`reading_last_layer` (None: the whole
+    last layer runs at every query)."""
+
+    def __init__(self, model: PreTrainedModel, prompts: list[Sequence[int]], settings: BlockDecodeSettings,
+                 reader: LastLayerReader | None = None):
         self.model = model
         self.settings = settings
         self.device = model_device(model)
         self.split = split_head(model)
+        self.reader = reader if self.split else None
         ids, mask = left_pad(prompts, settings.pad_id, self.device)
         self.prompt_len = mask.sum(1)
         # room for the padded prompt, every completed block and the noisy block on top
@@ -84,6 +134,9 @@ class CachedBlockPredictor:
             self.pending = None
             if int(slots[0]) != 0:
                 raise RuntimeError("the first step of a block must predict slot 0")
+            if isinstance(out, DeferredSlotStates):
+                self.first = out.columns(0, 1)
+                return self._slot_logits(DeferredSlotStates(self.reader, keep[1:], n_rows, first=self.first))
             self.first = out[:, :1]
             return self._slot_logits(out)
         if self.step_mask is None:
@@ -94,9 +147,15 @@ class CachedBlockPredictor:
             # only the rows still open in this block: the others' predictions are never read
             part = self._forward(block[rows], self.block_pos[rows], self.step_mask[rows], later - 1,
                                  cache=self.cache.rows_view(rows))
+            if isinstance(part, DeferredSlotStates):
+                return self._slot_logits(DeferredSlotStates(
+                    self.reader, later - 1, n_rows, rows, self.first if int(slots[0]) == 0 else None))
             out = part.new_zeros((n_rows, *part.shape[1:])).index_copy_(0, rows, part)
         else:
             out = self._forward(block, self.block_pos, self.step_mask, later - 1)
+            if isinstance(out, DeferredSlotStates):
+                return self._slot_logits(DeferredSlotStates(
+                    self.reader, later - 1, n_rows, None, self.first if int(slots[0]) == 0 else None))
         return self._slot_logits(torch.cat([self.first, out], 1) if int(slots[0]) == 0 else out)
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
@@ -111,16 +170,26 @@ class CachedBlockPredictor:
         """Additive mask of ``queries`` over the cached prefix and themselves (the training rule)."""
         return additive_mask(allowed_attention(queries, self.cached.cat(queries)), self.model.dtype)
 
-    def _slot_logits(self, out: torch.Tensor) -> SlotLogits:
+    def _slot_logits(self, out: torch.Tensor | DeferredSlotStates) -> SlotLogits:
         return SlotLogits(states=out, head=self.split[1]) if self.split else SlotLogits(logits=out)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor,
-                 cache: Cache | None = None) -> torch.Tensor:
+                 cache: Cache | None = None) -> torch.Tensor | DeferredSlotStates:
         """Run ``ids`` against the cache, keep their clean part, drop the noisy block; returns
-        the final hidden states at columns ``keep`` when the head splits off, else the logits.
-        ``cache``: a rows view of the cache (:meth:`KVCache.rows_view`), which keeps nothing."""
+        the final hidden states at columns ``keep`` when the head splits off (deferred to the
+        read when the last layer is wrapped), else the logits.  ``cache``: a rows view of the
+        cache (:meth:`KVCache.rows_view`), which keeps nothing."""
         view = cache is not None
         cache = cache if view else self.cache
+        if self.reader is not None and ids.numel() >= last_layer.MIN_DEFERRED_QUERIES:
+            self.reader.deferred = True
+            try:
+                self.split[0](input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+            finally:
+                self.reader.deferred = False
+            if not view:
+                self.cache.crop(-self.length)
+            return DeferredSlotStates(self.reader, keep, ids.shape[0])
         if self.split:
             hidden = self.split[0](input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                                    use_cache=True).last_hidden_state[:, keep]
@@ -150,16 +219,21 @@ def diffusion_generate(
     commit_order: CommitOrder = "confidence",
     defer_repeats: bool = False,
     head_chunk: int = DEFAULT_HEAD_CHUNK,
+    defer_last_layer: bool = True,
 ) -> DecodeOutput:
     """Block-diffusion continuations (new tokens only, cut after the first stop, inclusive).
 
     ``eos_id=None`` with no ``stop_ids`` produces exactly ``max_new_tokens`` per prompt.
     ``head_chunk``: see :func:`dgr2.decoding.block_loop.decode_blocks` (same output at any value).
+    ``defer_last_layer``: run the last layer only at the slots read, in passes large enough for
+    it to pay and where the architecture allows (:mod:`dgr2.decoding.last_layer`; same tokens
+    either way, False is for comparisons).
     """
-    return decode_blocks(
-        model, prompt_ids, CachedBlockPredictor, block_size=block_size, max_steps_per_block=max_steps_per_block,
-        threshold=threshold, max_new_tokens=max_new_tokens, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id,
-        stop_ids=stop_ids, batch_size=batch_size,
-        temperature=temperature, seed=seed, commit_order=commit_order, defer_repeats=defer_repeats,
-        head_chunk=head_chunk,
-    )
+    with reading_last_layer(unwrap(model)) if defer_last_layer else nullcontext() as reader:
+        return decode_blocks(
+            model, prompt_ids, partial(CachedBlockPredictor, reader=reader), block_size=block_size,
+            max_steps_per_block=max_steps_per_block, threshold=threshold, max_new_tokens=max_new_tokens,
+            mask_id=mask_id, eos_id=eos_id, pad_id=pad_id, stop_ids=stop_ids, batch_size=batch_size,
+            temperature=temperature, seed=seed, commit_order=commit_order, defer_repeats=defer_repeats,
+            head_chunk=head_chunk,
+        )

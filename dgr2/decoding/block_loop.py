@@ -88,6 +88,17 @@ def decode_block_steps(max_steps_per_block: int, trained_block: int, decode_bloc
     return max(1, min(decode_block, -(-max_steps_per_block * decode_block // trained_block)))
 
 
+class SlotStates(Protocol):
+    """Final hidden states of a step's slots that are computed when read (a decoder that defers
+    its last layer, :mod:`dgr2.decoding.last_layer`); a plain tensor serves as well."""
+
+    def __len__(self) -> int: ...
+
+    def columns(self, start: int, end: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``(rows, end - start, hidden)`` states of slots ``start:end`` of batch rows ``rows`` (None: all)."""
+        ...
+
+
 class SlotLogits:
     """One step's predictions for its slots, with the LM head run only on the slots asked for.
 
@@ -95,25 +106,30 @@ class SlotLogits:
     masked slot (4.3 slots a pass on average for the beauty model), yet the head's
     ``(slots x vocab)`` product and the softmax statistics were computed for every masked slot
     of the block: 1.3 ms of a 5.3 ms pass for 32 slots on 2 CPU cores.  A predictor hands
-    either the final hidden states and the head (computed chunk by chunk on demand) or, for a
-    model whose head it cannot split off, ready logits.
+    either the final hidden states (a tensor, or :class:`SlotStates` that compute themselves
+    when read) and the head (computed chunk by chunk on demand) or, for a model whose head it
+    cannot split off, ready logits.
     """
 
-    def __init__(self, *, states: torch.Tensor | None = None, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 logits: torch.Tensor | None = None):
+    def __init__(self, *, states: torch.Tensor | SlotStates | None = None,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None, logits: torch.Tensor | None = None):
         if (logits is None) == (states is None or head is None):
             raise ValueError("SlotLogits takes either logits, or states and a head")
         self.states, self.head, self.logits = states, head, logits
 
     def __len__(self) -> int:
-        return (self.logits if self.logits is not None else self.states).shape[1]
+        if self.logits is not None:
+            return self.logits.shape[1]
+        return self.states.shape[1] if isinstance(self.states, torch.Tensor) else len(self.states)
 
     def columns(self, start: int, end: int, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``(rows, end - start, vocab)`` logits of slots ``start:end``, of the batch rows ``rows``
         (None: all); the caller may consume them."""
         if self.logits is not None:
             return self.logits[:, start:end] if rows is None else self.logits[rows, start:end]
-        return self.head(self.states[:, start:end] if rows is None else self.states[rows, start:end])
+        if isinstance(self.states, torch.Tensor):
+            return self.head(self.states[:, start:end] if rows is None else self.states[rows, start:end])
+        return self.head(self.states.columns(start, end, rows))
 
 
 class BlockPredictor(Protocol):
