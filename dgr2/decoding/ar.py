@@ -26,8 +26,8 @@ from dgr2.decoding.batching import (
     stop_set,
     validate_prompts,
 )
-from dgr2.decoding.kv_cache import decoding_cache
 from dgr2.decoding import last_layer
+from dgr2.decoding.kv_cache import decoding_cache
 from dgr2.decoding.last_layer import LastLayerReader, reading_last_layer
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import decoding_mode, model_device, split_head

@@ -35,8 +35,8 @@ from dgr2.decoding.batching import left_pad, positions_from_mask
 from dgr2.decoding.block_layout import block_layout, empty_layout, prompt_layout
 from dgr2.decoding.block_loop import BlockDecodeSettings, SlotLogits, decode_blocks, unwrap
 from dgr2.decoding.commit import CommitOrder
-from dgr2.decoding.kv_cache import decoding_cache, supports_rows_view
 from dgr2.decoding import last_layer
+from dgr2.decoding.kv_cache import decoding_cache, supports_rows_view
 from dgr2.decoding.last_layer import LastLayerReader, reading_last_layer
 from dgr2.decoding.output import DecodeOutput
 from dgr2.decoding.runtime import model_device, split_head
@@ -134,8 +134,8 @@ class CachedBlockPredictor:
             self.pending = None
             if int(slots[0]) != 0:
                 raise RuntimeError("the first step of a block must predict slot 0")
-            if isinstance(out, DeferredSlotStates):
-                self.first = out.columns(0, 1)
+            if out is None:  # deferred: slot 0's state now (kept for the block), the rest when read
+                self.first = self.reader.read(keep[:1], pass_index=self.reader.passes)
                 return self._slot_logits(DeferredSlotStates(self.reader, keep[1:], n_rows, first=self.first))
             self.first = out[:, :1]
             return self._slot_logits(out)
@@ -143,20 +143,20 @@ class CachedBlockPredictor:
             noisy = block_layout(n_rows, length, TokenKind.NOISY, self.block_index, self.cached.length, self.device)
             self.step_mask = self._mask(noisy)
         later = slots[slots > 0]
+        computed = None  # the batch rows this pass runs (None: all)
         if rows is not None and len(rows) < n_rows and supports_rows_view(self.cache):
             # only the rows still open in this block: the others' predictions are never read
-            part = self._forward(block[rows], self.block_pos[rows], self.step_mask[rows], later - 1,
-                                 cache=self.cache.rows_view(rows))
-            if isinstance(part, DeferredSlotStates):
-                return self._slot_logits(DeferredSlotStates(
-                    self.reader, later - 1, n_rows, rows, self.first if int(slots[0]) == 0 else None))
-            out = part.new_zeros((n_rows, *part.shape[1:])).index_copy_(0, rows, part)
+            computed = rows
+            out = self._forward(block[rows], self.block_pos[rows], self.step_mask[rows], later - 1,
+                                cache=self.cache.rows_view(rows))
         else:
             out = self._forward(block, self.block_pos, self.step_mask, later - 1)
-            if isinstance(out, DeferredSlotStates):
-                return self._slot_logits(DeferredSlotStates(
-                    self.reader, later - 1, n_rows, None, self.first if int(slots[0]) == 0 else None))
-        return self._slot_logits(torch.cat([self.first, out], 1) if int(slots[0]) == 0 else out)
+        first = self.first if int(slots[0]) == 0 else None
+        if out is None:
+            return self._slot_logits(DeferredSlotStates(self.reader, later - 1, n_rows, computed, first))
+        if computed is not None:
+            out = out.new_zeros((n_rows, *out.shape[1:])).index_copy_(0, computed, out)
+        return self._slot_logits(out if first is None else torch.cat([first, out], 1))
 
     def end_block(self, block: torch.Tensor, keep: torch.Tensor) -> None:
         if len(keep) < self.prompt_len.shape[0]:
@@ -174,11 +174,12 @@ class CachedBlockPredictor:
         return SlotLogits(states=out, head=self.split[1]) if self.split else SlotLogits(logits=out)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor,
-                 cache: Cache | None = None) -> torch.Tensor | DeferredSlotStates:
+                 cache: Cache | None = None) -> torch.Tensor | None:
         """Run ``ids`` against the cache, keep their clean part, drop the noisy block; returns
-        the final hidden states at columns ``keep`` when the head splits off (deferred to the
-        read when the last layer is wrapped), else the logits.  ``cache``: a rows view of the
-        cache (:meth:`KVCache.rows_view`), which keeps nothing."""
+        the final hidden states at columns ``keep`` when the head splits off, else the logits,
+        or None when the pass deferred its last layer (the states are then read through
+        ``self.reader`` until the next pass).  ``cache``: a rows view of the cache
+        (:meth:`KVCache.rows_view`), which keeps nothing."""
         view = cache is not None
         cache = cache if view else self.cache
         if self.reader is not None and ids.numel() >= last_layer.MIN_DEFERRED_QUERIES:
@@ -189,7 +190,7 @@ class CachedBlockPredictor:
                 self.reader.deferred = False
             if not view:
                 self.cache.crop(-self.length)
-            return DeferredSlotStates(self.reader, keep, ids.shape[0])
+            return None
         if self.split:
             hidden = self.split[0](input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                                    use_cache=True).last_hidden_state[:, keep]

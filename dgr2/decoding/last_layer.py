@@ -26,9 +26,10 @@ decoders run the whole layer.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,6 +37,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from dgr2.models.block_mask import additive_mask
 
 # Fewest query tokens (batch rows x columns) a pass must have for deferring to pay.  Measured on
 # 2 CPU cores, beauty-size model (hidden 128, 4 layers), reading 8 of 32 block slots a row, median
@@ -52,15 +55,11 @@ _SWAP_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.Wea
 _LOCKS_GUARD = threading.Lock()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``(batch, heads, seq, dim)`` rotated by ``(batch, seq, dim)`` tables (transformers' rule)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x * cos) + (_rotate_half(x) * sin)
+def _modeling_function(attn: nn.Module, name: str) -> Callable[..., Any]:
+    """``name`` from the transformers modeling file that defines this attention class (each of
+    the Llama family's files has its own ``rotate_half`` and ``eager_attention_forward``), so
+    the deferred layer uses the very functions the whole layer uses."""
+    return getattr(inspect.getmodule(type(attn)), name)
 
 
 class LastLayerReader(nn.Module):
@@ -71,8 +70,12 @@ class LastLayerReader(nn.Module):
         super().__init__()
         self.layer = layer
         self.final_norm = final_norm
-        # transformers' sdpa function (grouped keys, mask slicing); None: our copy of its eager one
-        self.attention = None if attn_implementation == "eager" else ALL_ATTENTION_FUNCTIONS[attn_implementation]
+        attn = layer.self_attn
+        # the functions the layer's own attention calls: transformers' sdpa one, or its modeling
+        # file's eager one (which adds the mask, hence the additive masks below)
+        self.attention = (_modeling_function(attn, "eager_attention_forward") if attn_implementation == "eager"
+                          else ALL_ATTENTION_FUNCTIONS[attn_implementation])
+        self.rotate_half = _modeling_function(attn, "rotate_half")
         self.deferred = False
         self.passes = 0  # deferred passes so far: a read names the pass it belongs to
         self._saved: tuple[torch.Tensor, ...] | None = None
@@ -93,19 +96,25 @@ class LastLayerReader(nn.Module):
             keys = attn.k_norm(keys)
         values = attn.v_proj(normed).view(batch, length, -1, attn.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
-        keys = _rotary(keys.transpose(1, 2), cos, sin)
+        keys = self._rotary(keys.transpose(1, 2), cos, sin)
         if cache is not None:
             keys, values = cache.update(keys, values, attn.layer_idx)
         if attention_mask is None:  # no padding, plain causal: spell it out, a subset of queries cannot use is_causal
             past = keys.shape[-2] - length
             allowed = torch.arange(keys.shape[-2], device=keys.device)[None, :] <= (
                 past + torch.arange(length, device=keys.device)[:, None])
-            attention_mask = allowed[None, None].expand(batch, 1, length, keys.shape[-2])
+            attention_mask = additive_mask(allowed[None], hidden_states.dtype)
         elif attention_mask.dim() != 4:
             raise RuntimeError(f"the deferred last layer takes a 4D mask or none, got shape {tuple(attention_mask.shape)}")
         self.passes += 1
         self._saved = (hidden_states, normed, keys, values, cos, sin, attention_mask)
         return hidden_states[:, :0]
+
+    def _rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``(batch, heads, seq, dim)`` rotated by ``(batch, seq, dim)`` tables: transformers'
+        ``apply_rotary_pos_emb`` for one tensor (queries and keys are rotated at different times)."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (x * cos) + (self.rotate_half(x) * sin)
 
     def read(self, columns: torch.Tensor, rows: torch.Tensor | None = None, *, pass_index: int) -> torch.Tensor:
         """Final normed hidden states ``(rows, len(columns), hidden)`` of the deferred pass
@@ -123,30 +132,12 @@ class LastLayerReader(nn.Module):
         queries = attn.q_proj(normed[:, columns]).view(batch, count, -1, attn.head_dim)
         if getattr(attn, "q_norm", None) is not None:
             queries = attn.q_norm(queries)
-        queries = _rotary(queries.transpose(1, 2), cos[:, columns], sin[:, columns])
-        mask = mask[:, :, columns]
-        if self.attention is None:
-            out = _eager_attention(attn, queries, keys, values, mask)
-        else:
-            out, _ = self.attention(attn, queries, keys, values, mask, dropout=0.0, scaling=attn.scaling)
+        queries = self._rotary(queries.transpose(1, 2), cos[:, columns], sin[:, columns])
+        out, _ = self.attention(attn, queries, keys, values, mask[:, :, columns], dropout=0.0, scaling=attn.scaling)
         out = attn.o_proj(out.reshape(batch, count, -1).contiguous())
         states = hidden[:, columns] + out
         states = states + self.layer.mlp(self.layer.post_attention_layernorm(states))
         return self.final_norm(states)
-
-
-def _eager_attention(attn: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
-    """transformers' eager attention (grouped keys repeated, float32 softmax), ``(b, q, h, d)``."""
-    groups = queries.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    scores = torch.matmul(queries, keys.transpose(2, 3)) * attn.scaling
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    else:
-        scores = scores + mask
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
-    return torch.matmul(weights, values).transpose(1, 2)
 
 
 def supports_deferred_last_layer(model: PreTrainedModel) -> bool:
@@ -166,7 +157,10 @@ def supports_deferred_last_layer(model: PreTrainedModel) -> bool:
     last = layers[-1]
     if isinstance(last, LastLayerReader):
         return True
-    return all(hasattr(last, p) for p in _LAYER_PARTS) and all(hasattr(last.self_attn, p) for p in _ATTENTION_PARTS)
+    if not all(hasattr(last, p) for p in _LAYER_PARTS) or not all(hasattr(last.self_attn, p) for p in _ATTENTION_PARTS):
+        return False
+    modeling = inspect.getmodule(type(last.self_attn))
+    return all(callable(getattr(modeling, f, None)) for f in ("rotate_half", "eager_attention_forward"))
 
 
 @contextmanager
