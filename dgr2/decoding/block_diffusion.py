@@ -16,10 +16,11 @@ AR decoding is the ``block_size = 1`` case: one pass per token, same logits.  Th
 runs only at the slots the loop asks for (those still masked in some row), and for the
 architectures :func:`dgr2.decoding.runtime.split_head` knows, only when the commit rule reads
 them (:class:`dgr2.decoding.block_loop.SlotLogits`); for the Llama family the last layer too
-runs only at the slots read (:mod:`dgr2.decoding.last_layer`).  The attention mask of a block's later
-steps is the same at every step (same cached prefix, same noisy block), so it is built once a
-block.  The cache writes in place, and a later step of a batch runs only the rows whose block is
-still open, over a read-only view of their cache (:mod:`dgr2.decoding.kv_cache`).
+runs only at the slots read (:mod:`dgr2.decoding.last_layer`).  The attention mask of a block's
+later steps is the same at every step (same cached prefix, same noisy block): it is the noisy rows
+of the block's first-step mask, taken once a block.  The cache writes in place, and a later step of
+a batch runs only the rows whose block is still open, over a read-only view of their cache
+(:mod:`dgr2.decoding.kv_cache`).
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ class CachedBlockPredictor:
             ids, pos, layout = self.pending
             noisy = block_layout(n_rows, length, TokenKind.NOISY, self.block_index, self.cached.length + layout.length, self.device)
             keep = layout.length - 1 + slots  # slot i is read at the query before it (slot 0: last clean token)
-            out = self._forward(torch.cat([ids, block], 1), torch.cat([pos, self.block_pos], 1), self._mask(layout.cat(noisy)), keep)
+            mask = self._mask(layout.cat(noisy))
+            # the later steps' queries (the noisy block) and keys (this cache + the block) are this
+            # pass's last rows: their mask is that part of this one
+            self.step_mask = mask[:, :, -length:].contiguous()
+            out = self._forward(torch.cat([ids, block], 1), torch.cat([pos, self.block_pos], 1), mask, keep)
             self.cached = self.cached.cat(layout)
             self.pending = None
             if int(slots[0]) != 0:
@@ -139,9 +144,6 @@ class CachedBlockPredictor:
                 return self._slot_logits(DeferredSlotStates(self.reader, keep[1:], n_rows, first=self.first))
             self.first = out[:, :1]
             return self._slot_logits(out)
-        if self.step_mask is None:
-            noisy = block_layout(n_rows, length, TokenKind.NOISY, self.block_index, self.cached.length, self.device)
-            self.step_mask = self._mask(noisy)
         later = slots[slots > 0]
         computed = None  # the batch rows this pass runs (None: all)
         if rows is not None and len(rows) < n_rows and supports_rows_view(self.cache):

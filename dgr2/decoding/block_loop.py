@@ -29,8 +29,8 @@ from dgr2.decoding.commit import (
     COMMIT_ORDERS,
     BlockState,
     CommitOrder,
+    LeftToRightRuns,
     block_state,
-    choose_commits,
     commit_step,
     propose_tokens,
 )
@@ -241,64 +241,67 @@ def _decode_batch(
     record: _Record,
     generator: torch.Generator | None,
 ) -> int:
-    """Decode one batch into ``record`` at ``indices``; returns the forward passes made."""
+    """Decode one batch into ``record`` at ``indices``; returns the forward passes made.
+
+    The block's bookkeeping (its tokens, which slots are still masked, the step that unmasked
+    each slot and its log-prob) is kept in Python lists, and the model gets the block as one
+    tensor made per pass.  Why: a step changes a few slots of a few rows, and scattering them
+    into block-sized tensors took ~20 small tensor ops a pass, a sizeable part of a batch-1 pass
+    on a CPU (README, "Left-to-right walk")."""
     row_passes = record.row_passes
     active = list(indices)  # batch row -> original prompt index
     passes = 0
+    device = predictor.device
     n_blocks = -(-settings.max_new_tokens // settings.block_size)
     for b in range(n_blocks):
         length = min(settings.block_size, settings.max_new_tokens - b * settings.block_size)
         budget = min(settings.max_steps_per_block, length)
         predictor.begin_block(b, length)
         rows = len(active)
-        device = predictor.device
-        block = torch.full((rows, length), settings.mask_id, dtype=torch.long, device=device)
-        masked = torch.ones((rows, length), dtype=torch.bool, device=device)
-        unmasked_at = torch.full((rows, length), -1, dtype=torch.long, device=device)
-        logprob = torch.zeros((rows, length), dtype=torch.float32, device=device)
+        tokens = [[settings.mask_id] * length for _ in range(rows)]
+        masked = [[True] * length for _ in range(rows)]
+        unmasked_at = [[-1] * length for _ in range(rows)]
+        logprob = [[0.0] * length for _ in range(rows)]
         state = [BlockState.OPEN] * rows
         taken = [0] * rows
         for step in range(budget):
-            open_rows = torch.tensor([s is BlockState.OPEN for s in state], device=device)
-            live = masked & open_rows[:, None]
-            slots = live.any(0).nonzero().squeeze(1)  # only these slots can commit this step
+            open_rows = [r for r in range(rows) if state[r] is BlockState.OPEN]
+            # only these slots can commit this step
+            slots = [c for c in range(length) if any(masked[r][c] for r in open_rows)]
+            live = [[masked[r][c] for c in slots] if state[r] is BlockState.OPEN else [False] * len(slots)
+                    for r in range(rows)]
             # rows done with the block wait for the slowest one: their predictions are not read
-            reading = None if bool(open_rows.all()) else open_rows.nonzero().squeeze(1)
-            logits = predictor.block_logits(block, slots, reading)
+            reading = None if len(open_rows) == rows else torch.tensor(open_rows, device=device)
+            slots_t = torch.tensor(slots, device=device)
+            logits = predictor.block_logits(torch.tensor(tokens, device=device), slots_t, reading)
             passes += 1
             for r in range(rows):
                 if state[r] is not BlockState.STOPPED:
                     row_passes[active[r]] += 1
                 if state[r] is BlockState.OPEN:
                     taken[r] += 1
-            sub_commit, sub_tokens, sub_logp = step_commits(logits, live[:, slots], slots, budget - step, settings,
-                                                            generator)
-            commit = torch.zeros_like(masked).index_copy_(1, slots, sub_commit)
-            tokens = torch.zeros_like(block).index_copy_(1, slots, sub_tokens)
-            token_logp = torch.zeros_like(logprob).index_copy_(1, slots, sub_logp)
-            block = torch.where(commit, tokens, block)
-            unmasked_at = torch.where(commit, step, unmasked_at)
-            logprob = torch.where(commit, token_logp, logprob)
-            masked &= ~commit
-            tokens_l, masked_l = block.tolist(), masked.tolist()
-            for r in range(rows):
-                if state[r] is BlockState.OPEN:
-                    state[r] = block_state(tokens_l[r], masked_l[r], settings.stops)
+            commit, proposed, proposed_logp = step_commits(logits, live, slots_t, budget - step, settings, generator)
+            for r in open_rows:
+                for i, c in enumerate(slots):
+                    if commit[r][i]:
+                        tokens[r][c], masked[r][c] = proposed[r][i], False
+                        unmasked_at[r][c], logprob[r][c] = step, proposed_logp[r][i]
+                state[r] = block_state(tokens[r], masked[r], settings.stops)
             if BlockState.OPEN not in state:
                 break
         if BlockState.OPEN in state:  # the ceil(remaining / steps_left) floor makes this impossible
             raise RuntimeError("a block ended its step budget with masked slots left")
         keep = [r for r in range(rows) if state[r] is not BlockState.STOPPED]
-        for r, (row_tokens, row_steps, row_logp) in enumerate(zip(block.tolist(), unmasked_at.tolist(), logprob.tolist())):
-            record.tokens[active[r]].extend(row_tokens)
-            record.unmask_steps[active[r]].extend(row_steps)
-            record.logprobs[active[r]].extend(row_logp)
+        for r in range(rows):
+            record.tokens[active[r]].extend(tokens[r])
+            record.unmask_steps[active[r]].extend(unmasked_at[r])
+            record.logprobs[active[r]].extend(logprob[r])
             record.steps.append(taken[r])
         active = [active[r] for r in keep]
         if not active or b == n_blocks - 1:
             break
-        keep_t = torch.tensor(keep, device=device)
-        predictor.end_block(block[keep_t], keep_t)
+        predictor.end_block(torch.tensor([tokens[r] for r in keep], dtype=torch.long, device=device),
+                            torch.tensor(keep, device=device))
     for index in indices:
         kept = len(cut_at_stop(record.tokens[index], settings.stops)[: settings.max_new_tokens])
         block_end = -(-kept // settings.block_size) * settings.block_size
@@ -312,13 +315,14 @@ def _decode_batch(
 
 def step_commits(
     logits: SlotLogits,
-    live: torch.Tensor,
+    live: list[list[bool]],
     slots: torch.Tensor,
     steps_left: int,
     settings: BlockDecodeSettings,
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(commit, tokens, logprobs)`` over ``slots`` (``live``: ``(rows, len(slots))``).
+) -> tuple[list[list[bool]], list[list[int]], list[list[float]]]:
+    """``(commit, tokens, logprobs)`` per row over ``slots`` (``live``: per row, whether each
+    of ``slots`` is masked in a row still open), as lists.
 
     Greedy left-to-right steps with ``settings.head_chunk > 0`` read the logits a chunk at a
     time from the left: a slot's decision depends only on the slots left of it (and the
@@ -327,34 +331,33 @@ def step_commits(
     columns are never computed (their tokens and log-probs are returned as 0 and are unused).
     Only rows with a live slot are read, and past the first chunk only the rows whose run is
     still open (in a batch of 64 a few long runs would otherwise pay the head for every row).
+    The chunks' decisions are made by :class:`dgr2.decoding.commit.LeftToRightRuns`, the
+    rule of :func:`dgr2.decoding.commit.choose_commits` walked slot by slot.
     Sampling draws every slot at once, and the confidence order ranks every slot, so both take
     the whole step."""
     n = len(logits)
     chunk = settings.head_chunk
     if not chunk or chunk >= n or settings.temperature > 0 or settings.commit_order != "left_to_right":
-        return commit_step(
-            logits.columns(0, n), live, settings.threshold, steps_left, settings.mask_id, settings.temperature,
+        live_t = torch.tensor(live, dtype=torch.bool, device=slots.device).reshape(len(live), n)
+        commit, tokens, token_logp = commit_step(
+            logits.columns(0, n), live_t, settings.threshold, steps_left, settings.mask_id, settings.temperature,
             generator, settings.commit_order, settings.defer_repeats, slots,
         )
-    remaining = live.sum(-1, keepdim=True)
-    tokens = torch.zeros(live.shape, dtype=torch.long, device=live.device)
-    token_logp = torch.zeros(live.shape, dtype=torch.float32, device=live.device)
-    # reading: the rows whose proposals are computed (None: all); a row done with the block
-    # (waiting for the batch's slowest row) has nothing to read
-    open_rows = live.any(-1)
-    end, reading = 0, None if bool(open_rows.all()) else open_rows.nonzero().squeeze(1)
-    while True:
+        return commit.tolist(), tokens.tolist(), token_logp.tolist()
+    tokens = [[0] * n for _ in live]
+    token_logp = [[0.0] * n for _ in live]
+    runs = LeftToRightRuns(live, slots.tolist(), steps_left, settings.defer_repeats)
+    # the rows whose proposals are computed; a row done with the block (waiting for the batch's
+    # slowest row) has nothing to read
+    reading, end = runs.rows_to_read(0), 0
+    while reading:
         start, end = end, min(n, end + chunk)
-        proposed, logp = propose_tokens(logits.columns(start, end, reading), settings.mask_id)
-        if reading is None:
-            tokens[:, start:end], token_logp[:, start:end] = proposed, logp
-        else:  # a row not read has no live slot, or one left of here that stays masked: it commits nothing here
-            tokens[reading, start:end], token_logp[reading, start:end] = proposed, logp
-        commit = choose_commits(
-            tokens[:, :end], token_logp[:, :end], live[:, :end], settings.threshold, steps_left,
-            settings.commit_order, settings.defer_repeats, slots[:end], remaining,
-        )
-        extend = ~(live[:, :end] & ~commit).any(-1) & live[:, end:].any(-1)
-        if end == n or not extend.any():
-            return torch.cat([commit, commit.new_zeros((commit.shape[0], n - end))], 1), tokens, token_logp
-        reading = None if bool(extend.all()) else extend.nonzero().squeeze(1)
+        index = None if len(reading) == len(live) else torch.tensor(reading, device=slots.device)
+        proposed, logp = propose_tokens(logits.columns(start, end, index), settings.mask_id)
+        # confidence exactly as choose_commits computes it (float32 exp against tau)
+        confident = (logp.exp() >= settings.threshold).tolist() if settings.threshold < 1.0 else None
+        for i, (row, row_tokens, row_logp) in enumerate(zip(reading, proposed.tolist(), logp.tolist())):
+            tokens[row][start:end], token_logp[row][start:end] = row_tokens, row_logp
+            runs.decide(row, start, row_tokens, None if confident is None else confident[i])
+        reading = runs.rows_to_read(end) if end < n else []
+    return runs.commit, tokens, token_logp
