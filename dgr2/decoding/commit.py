@@ -106,22 +106,19 @@ def choose_commits(
     order: CommitOrder = "confidence",
     defer_repeats: bool = False,
     positions: torch.Tensor | None = None,
-    remaining: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which of the ``(rows, L)`` masked slots commit their proposals this step.
 
-    ``remaining`` (``(rows, 1)``) is each row's count of masked slots in the whole block when
-    the ``L`` slots are only its leftmost ones (the step floor is a share of the whole block);
-    None counts ``masked``.  Under ``left_to_right`` the decision on a slot depends only on the
-    slots to its left, which is what lets a decoder evaluate the proposals in chunks from the
-    left and stop at the first chunk where every row's run has ended."""
+    Under ``left_to_right`` the decision on a slot depends only on the slots to its left (and
+    the row's masked count), which is what lets a decoder evaluate the proposals in chunks from
+    the left and stop at the first chunk where every row's run has ended
+    (:class:`LeftToRightRuns` walks this rule slot by slot for that purpose)."""
     if order not in COMMIT_ORDERS:
         raise ValueError(f"unknown commit order {order!r}; choose one of {COMMIT_ORDERS}")
     if steps_left < 1:
         raise ValueError(f"steps_left must be >= 1, got {steps_left}")
     confidence = token_logp.exp().masked_fill(~masked, float("-inf"))
-    if remaining is None:
-        remaining = masked.sum(-1, keepdim=True)
+    remaining = masked.sum(-1, keepdim=True)
     floor = torch.where(remaining > 0, (remaining + steps_left - 1) // steps_left, remaining)
     # tau >= 1 means one slot a step by definition: in float32 a probability within ~6e-8 of 1
     # rounds to exactly 1.0, which passed `>= 1.0` and let such slots commit in parallel
