@@ -1,14 +1,22 @@
-"""Evaluate a trained AR stage on more held-out users than its profile's eval set.
+"""Evaluate trained stages on more held-out users than the profile's eval set, with paired errors.
 
-Why: the default profile scores 300 users a split so the pipeline stays fast, and at n=300 the
-standard error of an NDCG@10 difference between two rankers is about 0.01 - too coarse to tell
-a model from popularity when they are close.  This script prepares the same data with a larger
-``data.max_eval_examples`` (the train split, hence the vocabulary and the teacher, are
-unchanged: the cap only samples valid/test users), decodes the given SFT model on it and writes
-the baselines + model table and the trace fidelity next to it.
+Why: the profiles score 300 users a split so the pipeline stays fast, and at n=300 the standard
+error of an NDCG@10 difference between two rankers is about 0.01 (1.5% of the value) - too
+coarse to tell a model from popularity, or a diffusion stage from its AR teacher within issue 4's
+1% margin.  This script prepares the same data with a larger ``data.max_eval_examples`` (the
+train split, hence the vocabulary and the teacher, are unchanged: the cap only samples
+valid/test users), decodes the SFT model and any number of later stages (AR or block diffusion,
+told apart by the checkpoint's ``block_diffusion.json``) on it, and writes per split:
 
-    .venv/bin/python benchmarks/eval_at_scale.py --config default --examples 3000 \\
-        --sft runs/stages/sft/<key> --vocab runs/stages/vocab/<key> --traces runs/stages/traces/<key>
+- ``results_<split>_n<N>``: baselines and every model (strict scoring, structure, tokens/s);
+- ``paired_<split>_n<N>``: each model's NDCG@10 minus the SFT model's over the same users, with
+  the paired standard error, the relative gap and a 95% interval, and each validity rate with
+  its binomial standard error (:mod:`dgr2.eval.paired`);
+- with ``--traces``, the SFT model's trace fidelity.
+
+    .venv/bin/python benchmarks/eval_at_scale.py --config beauty --examples 3000 \\
+        --sft runs/stages/sft/<key> --vocab runs/stages/vocab/<key> [--traces runs/stages/traces/<key>] \\
+        [--stage runs/stages/cft/<key> --stage runs/stages/opd/<key> ...] --out benchmarks/results/<name>
 """
 
 from __future__ import annotations
@@ -22,9 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dgr2.config import load_config  # noqa: E402
 from dgr2.eval.baselines import baseline_metrics  # noqa: E402
+from dgr2.eval.paired import gaps_against, score_saved_completions  # noqa: E402
 from dgr2.eval.report import write_results_table  # noqa: E402
+from dgr2.models.block_diffusion import META_FILE  # noqa: E402
 from dgr2.pipeline import _rule_teacher, evaluate_model, item_counts, load_split, run_data  # noqa: E402
 from dgr2.stage_store import StageStore  # noqa: E402
+
+REFERENCE = "ar_sft"
 
 
 def stage_at(path: Path):
@@ -36,33 +48,53 @@ def stage_at(path: Path):
     return out
 
 
+def model_kind(model_dir: Path) -> str:
+    """``diffusion`` for a block-diffusion checkpoint (it carries its settings file), else ``ar``."""
+    return "diffusion" if (model_dir / META_FILE).is_file() else "ar"
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="default")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="dotted config override")
     p.add_argument("--examples", type=int, default=3000, help="valid/test users a split")
-    p.add_argument("--sft", type=Path, required=True, help="completed sft stage folder")
+    p.add_argument("--sft", type=Path, required=True, help="completed sft stage folder (the reference row)")
     p.add_argument("--vocab", type=Path, required=True, help="the vocab stage the SFT model was trained with")
     p.add_argument("--traces", type=Path, help="its traces stage (adds trace fidelity for a rule teacher)")
+    p.add_argument("--stage", type=Path, action="append", default=[],
+                   help="a later completed stage (ar_rl, naive, cft, opd, rl); repeat for several")
     p.add_argument("--out", type=Path, required=True, help="folder for the tables")
     args = p.parse_args(argv)
 
-    cfg = load_config(args.config, [f"data.max_eval_examples={args.examples}"])
+    cfg = load_config(args.config, [*args.overrides, f"data.max_eval_examples={args.examples}"])
     store = StageStore(Path(cfg.pipeline.runs_dir) / "stages")
     data, vocab, sft = run_data(cfg, store), stage_at(args.vocab), stage_at(args.sft)
+    later = {path.resolve().parent.name: stage_at(path) for path in args.stage}
+    if REFERENCE in later or len(later) != len(args.stage):
+        raise SystemExit("--stage folders must be distinct stages other than the SFT reference")
     teacher = _rule_teacher(stage_at(args.traces), vocab) if args.traces else None
     args.out.mkdir(parents=True, exist_ok=True)
-    ar = evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", "ar_sft", args.out,
-                        fidelity_teacher=teacher)
+    models = {REFERENCE: evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", REFERENCE,
+                                        args.out, fidelity_teacher=teacher)}
+    for name, stage in later.items():
+        model_dir = stage.file("model")
+        models[name] = evaluate_model(cfg, data, vocab, model_dir, stage.file("tokenizer"), model_kind(model_dir),
+                                      name, args.out)
     counts = item_counts(data)
     summary = {}
     for split in cfg.eval.splits:
         examples = load_split(data, split)
+        n = len(examples)
         rows = {name: {k: v for k, v in m.items() if k != "ndcg@1"}
                 for name, m in baseline_metrics(examples, counts, seed=cfg.data.seed).items()}
-        rows["ar_sft"] = ar[split]
-        write_results_table(rows, args.out, f"Amazon Beauty {split} (n={len(examples)})", stem=f"results_{split}_n{len(examples)}")
-        summary[split] = {name: round(row["ndcg@10"], 4) for name, row in rows.items()}
-    print(json.dumps({"ndcg@10": summary, "sft": str(args.sft), "data_key": data.key}, indent=1))
+        rows.update({name: evals[split] for name, evals in models.items()})
+        write_results_table(rows, args.out, f"Amazon Beauty {split} (n={n})", stem=f"results_{split}_n{n}")
+        paired = gaps_against({name: score_saved_completions(args.out / f"completions_{name}_{split}.jsonl", examples)
+                               for name in models}, REFERENCE)
+        write_results_table(paired, args.out, f"Against {REFERENCE} on the same {split} users (n={n})",
+                            stem=f"paired_{split}_n{n}")
+        summary[split] = {name: {k: round(v, 4) for k, v in row.items()} for name, row in paired.items()}
+    print(json.dumps({"paired": summary, "sft": str(args.sft), "data_key": data.key}, indent=1))
     return summary
 
 

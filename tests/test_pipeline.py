@@ -40,6 +40,14 @@ def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beaut
         assert set(first[name].manifest["stats"]["eval"]) == {"valid", "test"}
     recipe = json.loads(first["report"].file("test_json").read_text())["rows"]
     assert {"popularity", "ar_sft", "naive", "mdm", "cft", "opd", "rl"} <= set(recipe)
+    # every row's paired NDCG@10 gap to AR on the same users; AR against itself is exactly 0
+    gaps = json.loads(first["report"].file("test_gaps_json").read_text())["rows"]
+    assert set(gaps) == {"ar_sft", "ar_sft_rl", "naive", "mdm", "cft", "opd", "rl"}
+    assert gaps["ar_sft"]["gap_vs_reference"] == 0.0 and gaps["ar_sft"]["gap_se"] == 0.0
+    for name, row in gaps.items():
+        assert row["ndcg@10"] == pytest.approx(recipe[name]["ndcg@10"])
+        assert row["valid_rate"] == pytest.approx(recipe[name]["valid_rate"])
+        assert row["gap_vs_reference"] == pytest.approx(row["ndcg@10"] - gaps["ar_sft"]["ndcg@10"])
     tau = json.loads(first["report"].file("tau_json").read_text())["rows"]
     # the tiny profile sweeps both commit orders at each tau
     assert {"ar_sft", "rl_l2r_tau1", "rl_l2r_tau0.5", "rl_conf_tau1", "rl_conf_tau0.5"} <= set(tau)
