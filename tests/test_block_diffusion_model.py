@@ -121,6 +121,27 @@ def test_loss_is_on_masked_supervised_tokens_only():
     assert model.ar.get_input_embeddings().weight.grad is not None
 
 
+def test_head_at_masked_slots_only_gives_the_full_logits_loss_and_gradients():
+    """The loss runs the LM head at the masked slots only; loss and every parameter's gradient
+    equal the formulation over the full (batch, Lc, vocab) logits."""
+    model = BlockDiffusionLM(tiny_ar(), mask_id=MASK, block_size=4, loss_weighting="inverse_t")
+    prompts, completions = [[BOS, 5, 6], [BOS, 7]], [[10, 11, 12, 13, 14, 15], [16, 17, 18]]
+    batch = DiffusionBatch.collate(prompts, completions, PAD)
+    masked, ratio = sample_block_masks(batch.loss_mask, 4, "uniform", 1e-3, torch.Generator().manual_seed(3))
+    assert 0 < int(masked.sum()) < int(batch.loss_mask.sum())  # some slots unmasked: the head skips them
+    loss = model.loss_from_masks(batch, masked, ratio).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.ar.named_parameters()}
+    model.ar.zero_grad()
+    noisy = torch.where(masked, MASK, batch.completion_ids)
+    ce = F.cross_entropy(model.shifted_logits(batch, noisy).transpose(1, 2), batch.completion_ids, reduction="none")
+    reference = (ce * masked / ratio).sum() / batch.loss_mask.sum()
+    reference.backward()
+    torch.testing.assert_close(loss.detach(), reference.detach())
+    for name, p in model.ar.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_suffix_blocks_mask_the_last_supervised_tokens():
     supervised = torch.ones((64, 8), dtype=torch.bool)
     supervised[:, 7] = False  # a padded slot: never masked, never counted in the suffix
