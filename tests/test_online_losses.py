@@ -23,6 +23,7 @@ from dgr2.train.online_losses import (
     opd_loss,
     rl_policy_loss,
     teacher_completion_logits,
+    without_mask_token,
 )
 from dgr2.train.replay import ReplayBatch
 
@@ -136,6 +137,30 @@ def test_committed_opd_distils_exactly_the_tokens_decided_at_the_sampled_step():
     assert stats["replay"]["distilled_tokens"] == still_masked
     with pytest.raises(ValueError, match="committed"):
         opd_loss(student, teacher, replay, OpdSettings(student_mask="nope"))
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl"])
+def test_opd_loss_equals_the_divergence_over_the_full_student_logits(divergence):
+    """The student's head runs at the distilled slots only: loss and gradient are those of the
+    full (batch, Lc, vocab) logits indexed at the same slots."""
+    teacher = tiny_ar(seed=5)
+    _, replay = rollouts(teacher, block_size=4, steps=3)
+    student = BlockDiffusionLM(tiny_ar(seed=9), mask_id=MASK, block_size=4)
+    settings = OpdSettings(student_mask="committed", divergence=divergence)
+    loss, _ = opd_loss(student, teacher, replay, settings, torch.Generator().manual_seed(0))
+    loss.backward()
+    grad = student.ar.lm_head.weight.grad.clone()
+    student.ar.zero_grad()
+    k = replay.sample_step_per_block(4, torch.Generator().manual_seed(0))
+    predicted = (replay.steps == k) & replay.batch.loss_mask.bool()
+    full = student.shifted_logits(replay.batch, replay.state_before(k, MASK))
+    with torch.no_grad():
+        target = teacher_log_probs(without_mask_token(teacher_completion_logits(teacher, replay.batch)[predicted], MASK),
+                                   settings.teacher_top_k)
+    reference = token_divergence(without_mask_token(full[predicted], MASK), target, divergence, settings.jsd_beta).mean()
+    reference.backward()
+    torch.testing.assert_close(loss.detach(), reference.detach())
+    torch.testing.assert_close(grad, student.ar.lm_head.weight.grad)
 
 
 def test_focus_weights_start_at_the_first_focus_token_of_each_row():

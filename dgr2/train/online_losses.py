@@ -112,7 +112,8 @@ def opd_loss(
     with torch.no_grad():
         t_raw = teacher_completion_logits(teacher, batch)
         t_logp = teacher_log_probs(without_mask_token(t_raw[predicted], student.mask_id), settings.teacher_top_k)
-    s_logits = without_mask_token(student.shifted_logits(batch, noisy)[predicted], student.mask_id)
+    # the student's head at the distilled slots only (a few of each block in committed mode)
+    s_logits = without_mask_token(student.shifted_logits(batch, noisy, positions=predicted), student.mask_id)
     div = token_divergence(s_logits, t_logp, settings.divergence, settings.jsd_beta)
     weights = focus_weights(batch.completion_ids, settings.focus_token_id, settings.focus_weight)[predicted]
     loss = (div * weights).sum() / weights.sum()
