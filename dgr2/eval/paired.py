@@ -47,14 +47,6 @@ class PairedDifference:
         """Normal-approximation interval of the difference (95% at the default z)."""
         return self.difference - z * self.standard_error, self.difference + z * self.standard_error
 
-    def to_dict(self) -> dict[str, float]:
-        low, high = self.interval()
-        return {
-            "n": self.n, "reference_mean": self.reference_mean, "mean": self.mean, "difference": self.difference,
-            "standard_error": self.standard_error, "relative": self.relative, "z": self.z,
-            "ci95_low": low, "ci95_high": high,
-        }
-
 
 def paired_difference(values: Sequence[float], reference: Sequence[float]) -> PairedDifference:
     """Mean per-request difference ``values[i] - reference[i]`` and its standard error
