@@ -33,7 +33,14 @@ from dgr2.eval.baselines import baseline_metrics  # noqa: E402
 from dgr2.eval.paired import gaps_against, score_saved_completions  # noqa: E402
 from dgr2.eval.report import write_results_table  # noqa: E402
 from dgr2.models.block_diffusion import META_FILE  # noqa: E402
-from dgr2.pipeline import _rule_teacher, evaluate_model, item_counts, load_split, run_data  # noqa: E402
+from dgr2.pipeline import (  # noqa: E402
+    _rule_teacher,
+    completions_file,
+    evaluate_model,
+    item_counts,
+    load_split,
+    run_data,
+)
 from dgr2.stage_store import StageStore  # noqa: E402
 
 REFERENCE = "ar_sft"
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for name, m in baseline_metrics(examples, counts, seed=cfg.data.seed).items()}
         rows.update({name: evals[split] for name, evals in models.items()})
         write_results_table(rows, args.out, f"Amazon Beauty {split} (n={n})", stem=f"results_{split}_n{n}")
-        paired = gaps_against({name: score_saved_completions(args.out / f"completions_{name}_{split}.jsonl", examples)
+        paired = gaps_against({name: score_saved_completions(completions_file(args.out, name, split), examples)
                                for name in models}, REFERENCE)
         write_results_table(paired, args.out, f"Against {REFERENCE} on the same {split} users (n={n})",
                             stem=f"paired_{split}_n{n}")

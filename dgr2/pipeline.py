@@ -260,6 +260,12 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
     )
 
 
+def completions_file(folder: Path, name: str, split: str) -> Path:
+    """Where :func:`evaluate_model` writes ``name``'s completions on ``split`` (one JSON line per
+    example); the report and the scale evaluation read them back from here."""
+    return Path(folder) / f"completions_{name}_{split}.jsonl"
+
+
 def evaluate_model(
     cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
     name: str, work: Path, splits: list[str] | None = None, threshold: float | None = None,
@@ -301,7 +307,7 @@ def evaluate_model(
             log.info("trace fidelity %s %s: %s", name, split,
                      {k: round(v, 3) for k, v in payload["trace_fidelity"].items()})
         (work / f"{name}_{split}.json").write_text(json.dumps(payload, indent=1))
-        (work / f"completions_{name}_{split}.jsonl").write_text(
+        completions_file(work, name, split).write_text(
             "\n".join(json.dumps({"example_id": ex["example_id"], "completion": c})
                       for ex, c in zip(examples, evaluated.completions))
         )
@@ -684,7 +690,7 @@ def _gaps_to_ar(data: StageOutput, stages: dict[str, StageOutput], split: str) -
     for name, source in REPORT_ROWS:
         if source not in stages:
             continue
-        path = stages[source].path / f"completions_{'ar_sft' if source == 'eval' else source}_{split}.jsonl"
+        path = completions_file(stages[source].path, "ar_sft" if source == "eval" else source, split)
         if path.is_file():
             scored[name] = score_saved_completions(path, examples)
         else:
