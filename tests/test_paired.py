@@ -14,6 +14,7 @@ from dgr2.eval.paired import (
     proportion_standard_error,
     score_saved_completions,
 )
+from dgr2.pipeline import completions_file
 
 
 def test_paired_difference_by_hand():
@@ -75,12 +76,11 @@ def test_gaps_against_the_reference_from_saved_completions(tmp_path):
     def write(name, texts, ids=None):
         lines = [json.dumps({"example_id": ex_id, "completion": f"<answer> {t} </answer>"})
                  for ex_id, t in zip(ids or [ex["example_id"] for ex in examples], texts)]
-        (tmp_path / f"completions_{name}_test.jsonl").write_text("\n".join(lines))
+        completions_file(tmp_path, name, "test").write_text("\n".join(lines))
 
     for name, texts in answers.items():
         write(name, texts)
-    path = tmp_path / "completions_{}_test.jsonl"
-    scored = {name: score_saved_completions(path.with_name(path.name.format(name)), examples) for name in answers}
+    scored = {name: score_saved_completions(completions_file(tmp_path, name, "test"), examples) for name in answers}
     assert [r["valid"] for r in scored["cft"]] == [True, True, False, True]
     rows = gaps_against(scored, "ar_sft")
     assert rows["ar_sft"]["gap_vs_reference"] == 0.0 and rows["ar_sft"]["valid_rate"] == 1.0
@@ -91,6 +91,6 @@ def test_gaps_against_the_reference_from_saved_completions(tmp_path):
     assert rows["cft"]["valid_se"] == pytest.approx(math.sqrt(0.75 * 0.25 / 4))
     write("cft", answers["cft"], ids=["u1", "u0", "u2", "u3"])
     with pytest.raises(RuntimeError, match="not in the examples' order"):
-        score_saved_completions(tmp_path / "completions_cft_test.jsonl", examples)
+        score_saved_completions(completions_file(tmp_path, "cft", "test"), examples)
     with pytest.raises(KeyError, match="reference"):
         gaps_against(scored, "ar_rl")
