@@ -12,7 +12,8 @@ told apart by the checkpoint's ``block_diffusion.json``) on it, and writes per s
 - ``paired_<split>_n<N>``: each model's NDCG@10 minus the SFT model's over the same users, with
   the paired standard error, the relative gap and a 95% interval, and each validity rate with
   its binomial standard error (:mod:`dgr2.eval.paired`);
-- with ``--traces``, the SFT model's trace fidelity.
+- with ``--traces``, ``fidelity_<split>_n<N>``: every model's trace, field by field, against the
+  rule teacher's evidence (``benchmarks/trace_fidelity.py``, which also rescores saved folders).
 
     .venv/bin/python benchmarks/eval_at_scale.py --config beauty --examples 3000 \\
         --sft runs/stages/sft/<key> --vocab runs/stages/vocab/<key> [--traces runs/stages/traces/<key>] \\
@@ -28,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.stage_cli import stage_at  # noqa: E402
+from benchmarks.trace_fidelity import write_fidelity_table  # noqa: E402
 from dgr2.config import load_config  # noqa: E402
 from dgr2.eval.baselines import baseline_metrics  # noqa: E402
 from dgr2.eval.paired import gaps_against, score_saved_completions  # noqa: E402
@@ -44,15 +47,6 @@ from dgr2.pipeline import (  # noqa: E402
 from dgr2.stage_store import StageStore  # noqa: E402
 
 REFERENCE = "ar_sft"
-
-
-def stage_at(path: Path):
-    """The completed stage stored at ``path`` (``<runs>/stages/<stage>/<key>``)."""
-    path = path.resolve()
-    out = StageStore(path.parent.parent).lookup(path.parent.name, path.name)
-    if out is None:
-        raise SystemExit(f"{path} is not a completed stage (no _COMPLETE.json)")
-    return out
 
 
 def model_kind(model_dir: Path) -> str:
@@ -82,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     teacher = _rule_teacher(stage_at(args.traces), vocab) if args.traces else None
     args.out.mkdir(parents=True, exist_ok=True)
     models = {REFERENCE: evaluate_model(cfg, data, vocab, sft.file("model"), sft.file("tokenizer"), "ar", REFERENCE,
-                                        args.out, fidelity_teacher=teacher)}
+                                        args.out)}
     for name, stage in later.items():
         model_dir = stage.file("model")
         models[name] = evaluate_model(cfg, data, vocab, model_dir, stage.file("tokenizer"), model_kind(model_dir),
@@ -101,6 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
         write_results_table(paired, args.out, f"Against {REFERENCE} on the same {split} users (n={n})",
                             stem=f"paired_{split}_n{n}")
         summary[split] = {name: {k: round(v, 4) for k, v in row.items()} for name, row in paired.items()}
+        if teacher is not None:
+            write_fidelity_table(teacher, examples, {name: completions_file(args.out, name, split) for name in models},
+                                 args.out, split)
     print(json.dumps({"paired": summary, "sft": str(args.sft), "data_key": data.key}, indent=1))
     return summary
 

@@ -26,6 +26,15 @@ class StageContext:
     stage: Path
 
 
+def stage_at(path: Path) -> StageOutput:
+    """The completed stage stored at ``path`` (``<runs>/stages/<stage>/<key>``)."""
+    path = Path(path).resolve()
+    out = StageStore(path.parent.parent).lookup(path.parent.name, path.name)
+    if out is None:
+        raise SystemExit(f"{path} is not a completed stage (no _COMPLETE.json)")
+    return out
+
+
 def stage_parser(doc: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="default")

@@ -408,8 +408,11 @@ def test_trace_fidelity_is_clean_on_teacher_traces_and_counts_each_wrong_field(w
     assert clean["evidence_faithful"] == 1.0 and clean["sort_consistent"] == 1.0
     assert all(clean[f"{f}_error"] == 0.0 for f in ("code_a", "a", "r", "crowd", "pop", "score_vs_teacher"))
     assert clean["line_missing"] == 0.0 and clean["recent_error"] == 0.0
+    assert clean["order_valid"] == 1.0 and clean["answer_follows_order"] == 1.0
 
-    # example 0: c1's pop digit changed and c2's line dropped; example 1: its answer reversed
+    # example 0: c1's pop digit changed and c2's line dropped; example 1: its answer reversed;
+    # example 2: the order section's first label written twice (its answer left as it was);
+    # example 3: the same slip in its order section and, copied, in its answer (invalid)
     words = own[0].split()
     at = words.index("c1")
     pop_at = at + words[at:].index("pop") + 1
@@ -420,11 +423,77 @@ def test_trace_fidelity_is_clean_on_teacher_traces_and_counts_each_wrong_field(w
     reversed_answer = own[1].split()
     open_at, close_at = reversed_answer.index("<answer>"), reversed_answer.index("</answer>")
     reversed_answer[open_at + 1:close_at] = reversed_answer[open_at + 1:close_at][::-1]
-    broken = trace_fidelity(teacher, chosen, [" ".join(words), " ".join(reversed_answer), *own[2:]])
+    def repeat_first_label(words: list[str], section: str) -> None:
+        labels = [i for i in range(words.index(section), len(words)) if fmt.label_index(words[i]) is not None]
+        words[labels[1]] = words[labels[0]]
+
+    doubled = own[2].split()
+    repeat_first_label(doubled, "order")
+    copied = own[3].split()
+    repeat_first_label(copied, "order")
+    repeat_first_label(copied, "<answer>")
+    broken = trace_fidelity(teacher, chosen, [" ".join(words), " ".join(reversed_answer), " ".join(doubled),
+                                              " ".join(copied), *own[4:]])
     lines = sum(len(ex["candidates"]) for ex in chosen)
+    assert parse_completion(" ".join(copied), len(chosen[3]["candidates"])).valid is False
+    assert broken["order_valid"] == pytest.approx(18 / 20)
+    assert broken["answer_follows_order"] == pytest.approx(18 / 20)  # examples 1 and 2
+    assert broken["invalid_with_broken_order"] == 1.0  # example 3, the only invalid ranking
     assert broken["line_missing"] == pytest.approx(1 / lines)
     assert broken["pop_error"] == pytest.approx(1 / (lines - 1))
     assert broken["evidence_faithful"] == pytest.approx(19 / 20)
-    assert broken["sort_consistent"] == pytest.approx(18 / 19)  # example 0 lacks a line: not scored
+    assert broken["sort_consistent"] == pytest.approx(17 / 18)  # examples 0 (a line missing) and 3 (invalid) not scored
     with pytest.raises(ValueError, match="at least one"):
         trace_fidelity(teacher, [], [])
+
+
+def _trace_fidelity_script():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "trace_fidelity.py"
+    spec = importlib.util.spec_from_file_location("trace_fidelity_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_completions(path, examples, completions) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(json.dumps({"example_id": ex["example_id"], "completion": c})
+                              for ex, c in zip(examples, completions)))
+
+
+def test_trace_fidelity_script_scores_saved_folders_and_refuses_ambiguous_or_foreign_files(world, teacher, tmp_path) -> None:
+    script = _trace_fidelity_script()
+    _, examples = world
+    chosen = examples[:20]
+    own = [teacher.rank(RerankRequest.from_example(ex)).completion() for ex in chosen]
+    copied = own[0].split()
+    open_at = copied.index("<answer>")
+    copied[open_at + 2] = copied[open_at + 1]  # the answer's second label repeats the first
+    _write_completions(tmp_path / "a" / "completions_ar_sft_test.jsonl", chosen, own)
+    _write_completions(tmp_path / "b" / "completions_ar_sft_test.jsonl", chosen, own)  # the same file again
+    _write_completions(tmp_path / "b" / "completions_rl_test.jsonl", chosen, [" ".join(copied), *own[1:]])
+    _write_completions(tmp_path / "b" / "completions_rl_valid.jsonl", chosen, own)  # another split: not read
+
+    files = script.saved_completions([tmp_path / "a", tmp_path / "b"], "test")
+    assert list(files) == ["ar_sft", "rl"] and files["ar_sft"].parent.name == "a"
+    rows = script.write_fidelity_table(teacher, chosen, files, tmp_path / "out", "test")
+    assert rows["ar_sft"]["evidence_faithful"] == 1.0 and rows["ar_sft"]["answer_follows_order"] == 1.0
+    assert rows["rl"]["order_valid"] == 1.0 and rows["rl"]["answer_follows_order"] == pytest.approx(19 / 20)
+    assert rows["rl"]["invalid_with_broken_order"] == 0.0  # its one invalid ranking is a copy slip
+    assert list(rows["rl"])[:len(script.LEAD_COLUMNS)] == list(script.LEAD_COLUMNS)
+    table = json.loads((tmp_path / "out" / "fidelity_test_n20.json").read_text())
+    assert table["rows"]["rl"]["answer_follows_order"] == pytest.approx(19 / 20)
+    assert all((tmp_path / "out" / f"fidelity_test_n20.{ext}").is_file() for ext in ("md", "csv", "png"))
+
+    _write_completions(tmp_path / "c" / "completions_ar_sft_test.jsonl", chosen[::-1], own[::-1])  # ids reversed
+    with pytest.raises(SystemExit, match="two different completion files for 'ar_sft'"):
+        script.saved_completions([tmp_path / "a", tmp_path / "c"], "test")
+    with pytest.raises(RuntimeError, match="not in the examples' order"):
+        script.write_fidelity_table(teacher, chosen, {"ar_sft": tmp_path / "c" / "completions_ar_sft_test.jsonl"},
+                                    tmp_path / "out", "test")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no completions_<name>_test.jsonl files"):
+        script.saved_completions([tmp_path / "empty"], "test")

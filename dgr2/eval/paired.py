@@ -81,13 +81,18 @@ def per_example_ndcg(rows: Sequence[Mapping[str, Any]], k: int = 10) -> list[flo
     return [ndcg_at_k(None if int(row["strict_rank"]) < 0 else int(row["strict_rank"]), k) for row in rows]
 
 
-def score_saved_completions(path: Path, examples: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per-request scores of a ``completions_<name>_<split>.jsonl`` file written by an evaluation
-    (one ``{"example_id", "completion"}`` line per example, in the examples' order)."""
+def read_saved_completions(path: Path, examples: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The completions of a ``completions_<name>_<split>.jsonl`` file written by an evaluation
+    (one ``{"example_id", "completion"}`` line per example), checked to be ``examples``' in order."""
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     if [r["example_id"] for r in records] != [ex["example_id"] for ex in examples]:
         raise RuntimeError(f"{path}: completions are not in the examples' order (or not of these examples)")
-    return score_completions([r["completion"] for r in records], examples).per_example
+    return [r["completion"] for r in records]
+
+
+def score_saved_completions(path: Path, examples: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per-request scores of a saved completions file (:func:`read_saved_completions`)."""
+    return score_completions(read_saved_completions(path, examples), examples).per_example
 
 
 def gaps_against(per_model: Mapping[str, Sequence[Mapping[str, Any]]], reference: str) -> dict[str, dict[str, float]]:

@@ -15,6 +15,14 @@ Reported per field: the error rate over candidate lines the model wrote, and for
 0 gets wrong).  ``score_vs_teacher`` compares the written digit with the noise-free teacher's;
 ``sort_consistent`` is the share of parsed answers that equal the sort of the model's own
 written digits (did the last step, trace -> answer, work).
+
+Where an invalid ranking starts: ``order_valid`` is the share of completions whose ``order``
+section lists every candidate exactly once (the trace's own sort), and ``answer_follows_order``
+the share whose answer repeats the ``order`` section's labels token for token.  A ranking that
+is invalid with a valid ``order`` was broken in the copy; one whose ``order`` is already broken
+was broken in the trace: ``invalid_with_broken_order`` is that second kind's share of the invalid
+rankings.  (Measured on the beauty models: 164 of the diffusion student's 187
+invalid rankings in 3,000 had a broken ``order`` section.)
 """
 
 from __future__ import annotations
@@ -25,11 +33,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from dgr2.eval.parse import parse_completion
+from dgr2.traces import format as fmt
 from dgr2.traces.rule_teacher import RuleTeacher, ranking_from_buckets
 from dgr2.traces.teacher import RerankRequest
 
 _LINE = re.compile(r"(?:^|; )(c\d+) (<a_\d+>) a (\d+) r (\d+) crowd (\d+) pop (\d+) score (\d+)(?= ;| </think>|$)")
 _RECENT = re.compile(r"recent (\S+) ;")
+_ORDER = re.compile(r"; order (.*?)(?= </think>|$)")
+_ANSWER = re.compile(r"<answer>(.*?)</answer>")
 FIELDS: tuple[str, ...] = ("code_a", "a", "r", "crowd", "pop", "score_vs_teacher")
 
 
@@ -45,6 +56,21 @@ def parse_candidate_lines(think: str) -> dict[str, dict[str, Any]]:
     return lines
 
 
+def order_labels(completion: str) -> list[int] | None:
+    """The candidate indices the trace's ``order`` section lists, in order (score words
+    skipped), or None when the completion has no ``order`` section."""
+    match = _ORDER.search(completion)
+    if match is None:
+        return None
+    return [i for i in (fmt.label_index(w) for w in match.group(1).split()) if i is not None]
+
+
+def answer_words(completion: str) -> list[str] | None:
+    """The words between ``<answer>`` and ``</answer>``, or None without a delimited answer."""
+    match = _ANSWER.search(completion)
+    return None if match is None else match.group(1).split()
+
+
 def trace_fidelity(
     teacher: RuleTeacher, examples: Sequence[Mapping[str, Any]], completions: Iterable[str]
 ) -> dict[str, float]:
@@ -55,7 +81,8 @@ def trace_fidelity(
     nonzero: Counter[str] = Counter()
     nonzero_errors: Counter[str] = Counter()
     lines_total = lines_written = recent_total = 0
-    faithful = sort_total = sort_consistent = examples_seen = 0
+    faithful = sort_total = sort_consistent = examples_seen = order_valid = follows_order = 0
+    invalid = invalid_broken_order = 0
     for example, completion in zip(examples, completions, strict=True):
         examples_seen += 1
         request = RerankRequest.from_example(example)
@@ -87,7 +114,15 @@ def trace_fidelity(
             recent_total += 1
             errors["recent"] += recent is None or recent.group(1) != evidence.recent
         faithful += all_right
+        order = order_labels(completion)
+        answer = answer_words(completion)
+        this_order_valid = order is not None and sorted(order) == list(range(len(evidence.candidates)))
+        order_valid += this_order_valid
+        follows_order += (order is not None and answer is not None
+                          and answer == [fmt.candidate_label(i) for i in order])
         parsed = parse_completion(completion, len(evidence.candidates))
+        invalid += not parsed.valid
+        invalid_broken_order += not parsed.valid and not this_order_valid
         if parsed.valid and len(written) == len(evidence.candidates):
             own = [written[f"c{i + 1}"]["score"] for i in range(len(evidence.candidates))]
             sort_total += 1
@@ -101,5 +136,8 @@ def trace_fidelity(
     out["recent_error"] = errors["recent"] / max(recent_total, 1)
     out["evidence_faithful"] = faithful / examples_seen
     out["sort_consistent"] = sort_consistent / max(sort_total, 1)
+    out["order_valid"] = order_valid / examples_seen
+    out["answer_follows_order"] = follows_order / examples_seen
+    out["invalid_with_broken_order"] = invalid_broken_order / max(invalid, 1)
     out["examples"] = float(examples_seen)
     return out
