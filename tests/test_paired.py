@@ -94,3 +94,47 @@ def test_gaps_against_the_reference_from_saved_completions(tmp_path):
         score_saved_completions(completions_file(tmp_path, "cft", "test"), examples)
     with pytest.raises(KeyError, match="reference"):
         gaps_against(scored, "ar_rl")
+
+
+def _paired_gaps_script():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "paired_gaps.py"
+    spec = importlib.util.spec_from_file_location("paired_gaps_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paired_gaps_script_pairs_stage_against_stage_and_refuses_bad_names(tmp_path):
+    """Any saved row can be the reference (here CFT, for OPD's gain over it); names come from the
+    command line, so two files with the same stage name can be told apart."""
+    script = _paired_gaps_script()
+    examples = [{"example_id": f"u{i}", "candidates": [10, 11, 12], "target_index": 0} for i in range(4)]
+    answers = {"cft": ["c2 c1 c3", "c1 c2 c3", "c1 c1 c3", "c1 c2 c3"],
+               "opd": ["c1 c2 c3", "c1 c2 c3", "c1 c2 c3", "c3 c2 c1"]}
+    for name, texts in answers.items():
+        (tmp_path / name).mkdir()
+        completions_file(tmp_path / name, "cft", "test").write_text("\n".join(
+            json.dumps({"example_id": ex["example_id"], "completion": f"<answer> {t} </answer>"})
+            for ex, t in zip(examples, texts)))
+    pairs = [f"{name}={completions_file(tmp_path / name, 'cft', 'test')}" for name in answers]
+    files = script.named_files(pairs)
+    rows = script.write_paired_table(files, "cft", examples, tmp_path / "out", "test")
+    # opd against cft: user 0 rank 0 vs 1 (+), user 2 valid rank 0 vs invalid -> retriever rank 0
+    # (0), user 3 rank 2 vs 0 (-)
+    second, third = 1 / math.log2(3), 1 / math.log2(4)
+    assert rows["opd"]["gap_vs_reference"] == pytest.approx(((1 - second) + (third - 1)) / 4)
+    assert rows["cft"]["gap_vs_reference"] == 0.0 and rows["opd"]["valid_rate"] == 1.0
+    table = json.loads((tmp_path / "out" / "paired_cft_test_n4.json").read_text())
+    assert table["rows"]["opd"]["gap_vs_reference"] == pytest.approx(rows["opd"]["gap_vs_reference"])
+
+    with pytest.raises(SystemExit, match="given twice"):
+        script.named_files([pairs[0], pairs[0]])
+    with pytest.raises(SystemExit, match="NAME=FILE"):
+        script.named_files([str(completions_file(tmp_path / "cft", "cft", "test"))])
+    with pytest.raises(SystemExit, match="no file"):
+        script.named_files([f"rl={tmp_path / 'missing.jsonl'}"])
+    with pytest.raises(SystemExit, match="--reference 'ar_sft'"):
+        script.write_paired_table(files, "ar_sft", examples, tmp_path / "out", "test")
