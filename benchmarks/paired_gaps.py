@@ -24,11 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dgr2.config import load_config  # noqa: E402
+from benchmarks.stage_cli import add_eval_set_arguments, eval_set_examples  # noqa: E402
 from dgr2.eval.paired import gaps_against, score_saved_completions  # noqa: E402
 from dgr2.eval.report import write_results_table  # noqa: E402
-from dgr2.pipeline import load_split, run_data  # noqa: E402
-from dgr2.stage_store import StageStore  # noqa: E402
 
 
 def named_files(pairs: list[str]) -> dict[str, Path]:
@@ -60,10 +58,7 @@ def write_paired_table(files: dict[str, Path], reference: str, examples: list[di
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="default")
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="dotted config override")
-    p.add_argument("--examples", type=int, help="users a split the completions were decoded on (default: the profile's)")
-    p.add_argument("--split", default="test")
+    add_eval_set_arguments(p)
     p.add_argument("--completions", action="append", required=True, metavar="NAME=FILE",
                    help="a saved completions_<name>_<split>.jsonl under a row name; repeat for several")
     p.add_argument("--reference", required=True, help="the row every other row is paired with")
@@ -71,10 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     args = p.parse_args(argv)
 
     files = named_files(args.completions)
-    overrides = [*args.overrides, *([f"data.max_eval_examples={args.examples}"] if args.examples else [])]
-    cfg = load_config(args.config, overrides)
-    data = run_data(cfg, StageStore(Path(cfg.pipeline.runs_dir) / "stages"))
-    rows = write_paired_table(files, args.reference, load_split(data, args.split), args.out, args.split)
+    rows = write_paired_table(files, args.reference, eval_set_examples(args), args.out, args.split)
     print(json.dumps({name: {k: round(v, 4) for k, v in row.items()} for name, row in rows.items()}, indent=1))
     return rows
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dgr2.config import Config, load_config
-from dgr2.pipeline import run_data, run_vocab
+from dgr2.pipeline import load_split, run_data, run_vocab
 from dgr2.stage_store import StageOutput, StageStore
 
 
@@ -33,6 +33,23 @@ def stage_at(path: Path) -> StageOutput:
     if out is None:
         raise SystemExit(f"{path} is not a completed stage (no _COMPLETE.json)")
     return out
+
+
+def add_eval_set_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that name an evaluation set already decoded: profile, overrides, users a
+    split and the split (for scripts that re-score saved completions)."""
+    p.add_argument("--config", default="default")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="dotted config override")
+    p.add_argument("--examples", type=int, help="users a split the completions were decoded on (default: the profile's)")
+    p.add_argument("--split", default="test")
+
+
+def eval_set_examples(args: Any) -> list[dict[str, Any]]:
+    """The requests of ``args.split`` at ``args.examples`` users a split, in evaluation order: the
+    data stage read from the cache, or built exactly as the pipeline would."""
+    overrides = [*args.overrides, *([f"data.max_eval_examples={args.examples}"] if args.examples else [])]
+    cfg = load_config(args.config, overrides)
+    return load_split(run_data(cfg, StageStore(Path(cfg.pipeline.runs_dir) / "stages")), args.split)
 
 
 def stage_parser(doc: str | None) -> argparse.ArgumentParser:

@@ -28,12 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.stage_cli import stage_at  # noqa: E402
-from dgr2.config import load_config  # noqa: E402
+from benchmarks.stage_cli import add_eval_set_arguments, eval_set_examples, stage_at  # noqa: E402
 from dgr2.eval.paired import read_saved_completions  # noqa: E402
 from dgr2.eval.report import write_results_table  # noqa: E402
-from dgr2.pipeline import _rule_teacher, load_split, run_data  # noqa: E402
-from dgr2.stage_store import StageStore  # noqa: E402
+from dgr2.pipeline import _rule_teacher  # noqa: E402
 from dgr2.traces.fidelity import trace_fidelity  # noqa: E402
 from dgr2.traces.rule_teacher import RuleTeacher  # noqa: E402
 
@@ -77,24 +75,18 @@ def write_fidelity_table(teacher: RuleTeacher, examples: list[dict[str, Any]], f
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="default")
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="dotted config override")
-    p.add_argument("--examples", type=int, help="users a split the completions were decoded on (default: the profile's)")
+    add_eval_set_arguments(p)
     p.add_argument("--traces", type=Path, required=True, help="the traces stage whose rule teacher is the reference")
     p.add_argument("--vocab", type=Path, required=True, help="the vocab stage the models were trained with")
-    p.add_argument("--split", default="test")
     p.add_argument("--completions", type=Path, action="append", required=True,
                    help="a folder holding completions_<name>_<split>.jsonl files; repeat for several")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
 
-    overrides = [*args.overrides, *([f"data.max_eval_examples={args.examples}"] if args.examples else [])]
-    cfg = load_config(args.config, overrides)
-    data = run_data(cfg, StageStore(Path(cfg.pipeline.runs_dir) / "stages"))
     teacher = _rule_teacher(stage_at(args.traces), stage_at(args.vocab))
     if teacher is None:
         raise SystemExit(f"{args.traces}: not written by the rule teacher; trace fidelity needs its evidence")
-    examples = load_split(data, args.split)
+    examples = eval_set_examples(args)
     rows = write_fidelity_table(teacher, examples, saved_completions(args.completions, args.split), args.out, args.split)
     print(json.dumps({name: {k: round(v, 4) for k, v in row.items()} for name, row in rows.items()}, indent=1))
     return rows

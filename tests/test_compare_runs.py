@@ -9,23 +9,16 @@ stage runs, ``tracking.log_metrics`` for the manifest stats, the same tags as
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from dgr2.testing.scripts import load_script
 
 
 def _load_flow():
-    spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "flows" / "compare_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script("flows/compare_runs.py", register=True)  # it defines dataclasses
 
 
 def _eval_stats(offset: float) -> dict:

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_throughput.py"
+from dgr2.testing.scripts import load_script
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("decode_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/decode_throughput.py")
 
 
 def test_benchmark_writes_json_and_plot(tmp_path):

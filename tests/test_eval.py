@@ -505,14 +505,9 @@ def test_report_rejects_bad_rows(tmp_path) -> None:
 
 
 def test_failure_probe_finds_the_first_repeated_label():
-    import importlib.util
-    from pathlib import Path
+    from dgr2.testing.scripts import load_script
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "failure_modes.py"
-    spec = importlib.util.spec_from_file_location("failure_modes", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    find = module.first_adjacent_repeat
+    find = load_script("benchmarks/failure_modes.py").first_adjacent_repeat
     assert find("order 19 c3 c4 c4 18 c2 c2".split()) == 4
     assert find("scores c1 6 6 c2 5".split()) is None  # repeated numbers are not labels
     assert find("c1 c2 c3 c1".split()) is None  # a repeat that is not adjacent

@@ -15,6 +15,7 @@ from dgr2.eval.paired import (
     score_saved_completions,
 )
 from dgr2.pipeline import completions_file
+from dgr2.testing.scripts import load_script
 
 
 def test_paired_difference_by_hand():
@@ -96,21 +97,10 @@ def test_gaps_against_the_reference_from_saved_completions(tmp_path):
         gaps_against(scored, "ar_rl")
 
 
-def _paired_gaps_script():
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "paired_gaps.py"
-    spec = importlib.util.spec_from_file_location("paired_gaps_script", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_paired_gaps_script_pairs_stage_against_stage_and_refuses_bad_names(tmp_path):
     """Any saved row can be the reference (here CFT, for OPD's gain over it); names come from the
     command line, so two files with the same stage name can be told apart."""
-    script = _paired_gaps_script()
+    script = load_script("benchmarks/paired_gaps.py")
     examples = [{"example_id": f"u{i}", "candidates": [10, 11, 12], "target_index": 0} for i in range(4)]
     answers = {"cft": ["c2 c1 c3", "c1 c2 c3", "c1 c1 c3", "c1 c2 c3"],
                "opd": ["c1 c2 c3", "c1 c2 c3", "c1 c2 c3", "c3 c2 c1"]}

@@ -12,13 +12,10 @@ from dgr2.pipeline import STAGE_ORDER
 
 @pytest.mark.slow
 def test_tiny_pipeline_runs_then_reuses_every_stage(tmp_path, ray_session, beauty_dir, monkeypatch):
-    import importlib.util
-    from pathlib import Path
+    from dgr2.testing.scripts import load_script
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    spec = importlib.util.spec_from_file_location("full_pipeline", Path(__file__).parent.parent / "flows" / "full_pipeline.py")
-    flow = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(flow)
+    flow = load_script("flows/full_pipeline.py")
     args = ["--config", "tiny", "--set", f"pipeline.runs_dir={tmp_path}"]
 
     first = flow.main(args + ["--run-name", "first"])
@@ -107,12 +104,9 @@ def test_default_profile_is_the_lean_recipe_and_beauty_the_measured_one():
 
 
 def test_flow_refuses_a_switched_off_stage_by_name(tmp_path):
-    import importlib.util
-    from pathlib import Path
+    from dgr2.testing.scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("full_pipeline", Path(__file__).parent.parent / "flows" / "full_pipeline.py")
-    flow = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(flow)
+    flow = load_script("flows/full_pipeline.py")
     with pytest.raises(SystemExit, match="pipeline.ablations"):
         flow.main(["--config", "default", "--stages", "mdm", "--set", f"pipeline.runs_dir={tmp_path}"])
     assert not any(tmp_path.iterdir())  # refused before a run folder was made
@@ -187,12 +181,9 @@ def test_a_decode_block_larger_than_the_trained_block_is_refused():
 
 
 def test_flow_refuses_a_run_name_already_taken(tmp_path):
-    import importlib.util
-    from pathlib import Path
+    from dgr2.testing.scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("full_pipeline", Path(__file__).parent.parent / "flows" / "full_pipeline.py")
-    flow = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(flow)
+    flow = load_script("flows/full_pipeline.py")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "summary.json").write_text("{}")
     with pytest.raises(SystemExit, match="'taken'.*already exists.*pick another name"):

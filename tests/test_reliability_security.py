@@ -10,7 +10,6 @@ variables set and searches everything it wrote.  (The Serve bearer-token test li
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import logging
 import random
 import re
@@ -21,6 +20,7 @@ import pytest
 
 from dgr2 import tracking
 from dgr2.config import PROJECT_ROOT, load_config
+from dgr2.testing.scripts import load_script
 
 SECRET_ENV = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "DGR2_SERVE_TOKEN", "AWS_SECRET_ACCESS_KEY",
               "AWS_SESSION_TOKEN", "HF_TOKEN", "RAY_AUTH_TOKEN", "DATABRICKS_TOKEN")
@@ -64,10 +64,7 @@ def _synthetic_folder(root: Path, n_items: int = 80, n_users: int = 40, width: i
 
 
 def _load_flow():
-    spec = importlib.util.spec_from_file_location("dgr2_full_pipeline", PROJECT_ROOT / "flows" / "full_pipeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("flows/full_pipeline.py", name="dgr2_full_pipeline")
 
 
 def test_pipeline_mlflow_params_tags_artifacts_and_logs_hold_no_secrets(secret_env, tmp_path, monkeypatch,

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dgr2.config import TraceConfig
+from dgr2.testing.scripts import load_script
 from dgr2.eval.metrics import ndcg_at_k, target_rank
 from dgr2.eval.parse import parse_completion
 from dgr2.tokenizer.catalog import ItemCatalog
@@ -447,17 +448,6 @@ def test_trace_fidelity_is_clean_on_teacher_traces_and_counts_each_wrong_field(w
         trace_fidelity(teacher, [], [])
 
 
-def _trace_fidelity_script():
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "trace_fidelity.py"
-    spec = importlib.util.spec_from_file_location("trace_fidelity_script", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _write_completions(path, examples, completions) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(json.dumps({"example_id": ex["example_id"], "completion": c})
@@ -465,7 +455,7 @@ def _write_completions(path, examples, completions) -> None:
 
 
 def test_trace_fidelity_script_scores_saved_folders_and_refuses_ambiguous_or_foreign_files(world, teacher, tmp_path) -> None:
-    script = _trace_fidelity_script()
+    script = load_script("benchmarks/trace_fidelity.py")
     _, examples = world
     chosen = examples[:20]
     own = [teacher.rank(RerankRequest.from_example(ex)).completion() for ex in chosen]
