@@ -61,6 +61,52 @@ def test_corrupt_checkpoint_is_detected_and_skipped(tmp_path):
     assert latest_good_checkpoint([good, bad]) == good
 
 
+class _FlakyController:
+    """Stands in for a TorchTrainer: ``fit`` raises ControllerError for the first ``failures`` trainers."""
+
+    def __init__(self, failures: int):
+        self.failures, self.made = failures, 0
+
+    def __call__(self):
+        from ray.train import ControllerError
+
+        self.made += 1
+        made = self.made
+
+        class Trainer:
+            def fit(inner):
+                if made <= self.failures:
+                    raise ControllerError(RuntimeError(f"placement group removed (trainer {made})"))
+                return f"result of trainer {made}"
+
+        return Trainer()
+
+
+def test_controller_errors_restart_a_fresh_trainer_then_give_up(capsys):
+    from ray.train import ControllerError
+
+    from dgr2.train.harness import fit_retrying_controller_errors
+
+    flaky = _FlakyController(failures=2)
+    assert fit_retrying_controller_errors(flaky, retries=2, stage="cft") == "result of trainer 3"
+    assert flaky.made == 3  # a new trainer per attempt: it resumes from the checkpoint in storage
+    out = capsys.readouterr().out
+    assert "[cft] Ray Train controller failed (RuntimeError: placement group removed (trainer 1))" in out
+    assert "retry 2/2" in out
+    always = _FlakyController(failures=5)
+    with pytest.raises(ControllerError, match="trainer 2"):
+        fit_retrying_controller_errors(always, retries=1, stage="cft")
+    assert always.made == 2
+    # worker errors are Ray Train's own business (FailureConfig.max_failures), never retried here
+    def worker_error():
+        class Trainer:
+            def fit(self):
+                raise ValueError("a bug in the training loop")
+        return Trainer()
+    with pytest.raises(ValueError, match="bug"):
+        fit_retrying_controller_errors(worker_error, retries=3, stage="cft")
+
+
 def test_deepspeed_skips_its_shm_comm_op_instead_of_compiling_it(monkeypatch):
     """The CPU shared-memory all-reduce op (inference only) is marked off before DeepSpeed starts,
     so its comm backend gets no op and nothing is compiled; a renamed op fails here, not slowly."""

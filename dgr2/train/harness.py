@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -268,6 +269,33 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         dist.destroy_process_group()  # ZeRO-3 on CPU aborts at exit otherwise (NOTES.md)
 
 
+def fit_retrying_controller_errors(make_trainer: Callable[[], Any], retries: int, stage: str) -> Any:
+    """``make_trainer().fit()``, re-run up to ``retries`` times when Ray Train's *controller* fails.
+
+    Why: ``FailureConfig.max_failures`` only restarts after worker errors; a controller error
+    (for instance a worker that dies while the worker group starts) ends the run, and Ray's own
+    retry covers only a few startup errors. One such error is not ours: Ray Train's detached
+    ``PlacementGroupCleaner`` treats a State API miss as a dead controller and removes the *live*
+    run's placement group (seen in this suite on a loaded 2-core machine with two local Ray
+    clusters; the same hazard is noted in the review of ray-project/ray#65447). A fresh trainer
+    with the same name and storage resumes from the last reported checkpoint, so a retry neither
+    skips nor repeats data. Worker errors keep going through ``max_failures``.
+    """
+    from ray.train import ControllerError
+
+    for attempt in range(retries + 1):
+        try:
+            return make_trainer().fit()
+        except ControllerError as exc:
+            if attempt == retries:
+                raise
+            first_line = (str(exc.controller_failure).splitlines() or [""])[0][:200]
+            cause = f"{type(exc.controller_failure).__name__}: {first_line}"
+            print(f"[{stage}] Ray Train controller failed ({cause}); restarting the trainer from the last "
+                  f"checkpoint in storage (retry {attempt + 1}/{retries})", flush=True)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
 def run_stage(job: StageJob) -> StageResult:
     """Run one stage under a Ray Train TorchTrainer; resumes from storage if it was interrupted."""
     import ray
@@ -285,24 +313,27 @@ def run_stage(job: StageJob) -> StageResult:
         from dgr2.train.online import online_loop_per_worker as loop
     else:
         loop = train_loop_per_worker
-    trainer = TorchTrainer(
-        loop,
-        train_loop_config=asdict(job),
-        scaling_config=ScalingConfig(
-            num_workers=cfg.num_workers,
-            use_gpu=cfg.use_gpu,
-            resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
-        ),
-        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
-        run_config=RunConfig(
-            name=job.stage,
-            storage_path=str(Path(job.storage_dir).resolve()),
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-        ),
-    )
+
+    def make_trainer() -> TorchTrainer:
+        return TorchTrainer(
+            loop,
+            train_loop_config=asdict(job),
+            scaling_config=ScalingConfig(
+                num_workers=cfg.num_workers,
+                use_gpu=cfg.use_gpu,
+                resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
+            ),
+            torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
+            run_config=RunConfig(
+                name=job.stage,
+                storage_path=str(Path(job.storage_dir).resolve()),
+                failure_config=FailureConfig(max_failures=cfg.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+            ),
+        )
+
     t0 = time.perf_counter()
-    result = trainer.fit()
+    result = fit_retrying_controller_errors(make_trainer, retries=cfg.max_failures, stage=job.stage)
     seconds = time.perf_counter() - t0
     if result.checkpoint is None:
         raise RuntimeError(f"stage {job.stage}: training finished without a checkpoint")
