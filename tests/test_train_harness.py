@@ -98,13 +98,20 @@ def test_controller_errors_restart_a_fresh_trainer_then_give_up(capsys):
         fit_retrying_controller_errors(always, retries=1, stage="cft")
     assert always.made == 2
     # worker errors are Ray Train's own business (FailureConfig.max_failures), never retried here
+    made = []
+
     def worker_error():
+        made.append(1)
+
         class Trainer:
             def fit(self):
                 raise ValueError("a bug in the training loop")
+
         return Trainer()
+
     with pytest.raises(ValueError, match="bug"):
         fit_retrying_controller_errors(worker_error, retries=3, stage="cft")
+    assert len(made) == 1
 
 
 def test_deepspeed_skips_its_shm_comm_op_instead_of_compiling_it(monkeypatch):

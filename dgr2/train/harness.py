@@ -283,17 +283,15 @@ def fit_retrying_controller_errors(make_trainer: Callable[[], Any], retries: int
     """
     from ray.train import ControllerError
 
-    for attempt in range(retries + 1):
+    for attempt in range(1, retries + 1):
         try:
             return make_trainer().fit()
         except ControllerError as exc:
-            if attempt == retries:
-                raise
             first_line = (str(exc.controller_failure).splitlines() or [""])[0][:200]
             cause = f"{type(exc.controller_failure).__name__}: {first_line}"
             print(f"[{stage}] Ray Train controller failed ({cause}); restarting the trainer from the last "
-                  f"checkpoint in storage (retry {attempt + 1}/{retries})", flush=True)
-    raise AssertionError("unreachable")  # the loop returns or raises
+                  f"checkpoint in storage (retry {attempt}/{retries})", flush=True)
+    return make_trainer().fit()  # the last attempt: its error goes to the caller
 
 
 def run_stage(job: StageJob) -> StageResult:
