@@ -35,6 +35,7 @@ from dgr2.config import load_config  # noqa: E402
 from dgr2.eval.baselines import baseline_metrics  # noqa: E402
 from dgr2.eval.paired import gaps_against, score_saved_completions  # noqa: E402
 from dgr2.eval.report import write_results_table  # noqa: E402
+from dgr2.eval.reward import reward_config_of  # noqa: E402
 from dgr2.models.block_diffusion import META_FILE  # noqa: E402
 from dgr2.pipeline import (  # noqa: E402
     _rule_teacher,
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.update({name: evals[split] for name, evals in models.items()})
         write_results_table(rows, args.out, f"Amazon Beauty {split} (n={n})", stem=f"results_{split}_n{n}")
         paired = gaps_against({name: score_saved_completions(completions_file(args.out, name, split), examples)
-                               for name in models}, REFERENCE)
+                               for name in models}, REFERENCE, reward_config_of(cfg.rl))
         write_results_table(paired, args.out, f"Against {REFERENCE} on the same {split} users (n={n})",
                             stem=f"paired_{split}_n{n}")
         summary[split] = {name: {k: round(v, 4) for k, v in row.items()} for name, row in paired.items()}

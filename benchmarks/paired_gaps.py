@@ -1,10 +1,11 @@
-"""Paired NDCG@10 gaps between any saved evaluations of the same users: stage against stage.
+"""Paired NDCG@10 and reward gaps between any saved evaluations of the same users: stage against stage.
 
 Why: ``benchmarks/eval_at_scale.py`` pairs every model with the AR reference, but issue 4 asks
-whether each stage improves on the one before it (OPD over CFT, RL over OPD).  Those
-evaluations already saved their completions, so this script re-scores the saved files (strict
-scoring, :func:`dgr2.eval.paired.gaps_against`) against a reference of your choice, without
-decoding, and writes ``paired_<reference>_<split>_n<N>.{md,csv,json,png}``.
+whether each stage improves on the one before it on its own target (OPD over CFT on accuracy,
+RL over OPD on the reward).  Those evaluations already saved their completions, so this script
+re-scores the saved files (strict scoring, :func:`dgr2.eval.paired.gaps_against`; the reward is
+the profile's ``rl`` reward) against a reference of your choice, without decoding, and writes
+``paired_<reference>_<split>_n<N>.{md,csv,json,png}``.
 
 ``--examples`` must be the number of users a split the completions were decoded on; a file that
 is not those requests in order is refused.
@@ -25,8 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.stage_cli import add_eval_set_arguments, eval_set_examples  # noqa: E402
+from dgr2.config import load_config  # noqa: E402
 from dgr2.eval.paired import gaps_against, score_saved_completions  # noqa: E402
 from dgr2.eval.report import write_results_table  # noqa: E402
+from dgr2.eval.reward import RewardConfig, reward_config_of  # noqa: E402
 
 
 def named_files(pairs: list[str]) -> dict[str, Path]:
@@ -45,11 +48,12 @@ def named_files(pairs: list[str]) -> dict[str, Path]:
 
 
 def write_paired_table(files: dict[str, Path], reference: str, examples: list[dict], out: Path,
-                       split: str) -> dict[str, dict[str, float]]:
+                       split: str, reward: RewardConfig = RewardConfig()) -> dict[str, dict[str, float]]:
     """Score each saved file on ``examples``, pair every row with ``reference`` and write the table."""
     if reference not in files:
         raise SystemExit(f"--reference {reference!r} is not among the --completions names {sorted(files)}")
-    rows = gaps_against({name: score_saved_completions(path, examples) for name, path in files.items()}, reference)
+    rows = gaps_against({name: score_saved_completions(path, examples) for name, path in files.items()}, reference,
+                        reward)
     n = len(examples)
     write_results_table(rows, out, f"Against {reference} on the same {split} users (n={n})",
                         stem=f"paired_{reference}_{split}_n{n}")
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     args = p.parse_args(argv)
 
     files = named_files(args.completions)
-    rows = write_paired_table(files, args.reference, eval_set_examples(args), args.out, args.split)
+    reward = reward_config_of(load_config(args.config, args.overrides).rl)
+    rows = write_paired_table(files, args.reference, eval_set_examples(args), args.out, args.split, reward)
     print(json.dumps({name: {k: round(v, 4) for k, v in row.items()} for name, row in rows.items()}, indent=1))
     return rows
 

@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, get_args
 
@@ -574,11 +575,13 @@ def run_opd(
 
 
 def _rl_extra(cfg: Config) -> dict[str, Any]:
+    from dgr2.eval.reward import reward_config_of
+
     r = cfg.rl
     return {"kind": "rl", "samples_per_prompt": r.group_size, "drop_zero_advantage": r.drop_zero_advantage,
             "rl": {"clip_low": r.clip_eps, "clip_high": r.clip_eps_high, "temperature": cfg.rollout.temperature,
                    "replay_steps": r.replay_steps},
-            "reward": {"invalid_reward": r.invalid_reward, "echo_alpha": r.echo_alpha}}
+            "reward": asdict(reward_config_of(r))}
 
 
 def run_rl(
@@ -664,7 +667,7 @@ def run_report(
             files = write_results_table(rows, work, f"Diffusion-GR2 recipe, Amazon Beauty {split}", stem=f"recipe_{split}")
             outputs.update({f"{split}_{kind}": str(p.relative_to(work)) for kind, p in files.items()})
             tables[split] = rows
-            gaps = _gaps_to_ar(data, stages, split)
+            gaps = _gaps_to_ar(cfg, data, stages, split)
             if gaps:
                 files = write_results_table(gaps, work, f"NDCG@10 gap to AR SFT on the same {split} users",
                                             stem=f"recipe_{split}_gaps")
@@ -677,13 +680,16 @@ def run_report(
     return store.run("report", key, build)
 
 
-def _gaps_to_ar(data: StageOutput, stages: dict[str, StageOutput], split: str) -> dict[str, dict[str, float]]:
+def _gaps_to_ar(
+    cfg: Config, data: StageOutput, stages: dict[str, StageOutput], split: str
+) -> dict[str, dict[str, float]]:
     """Each report row's NDCG@10 minus the AR SFT model's over the same users, with the paired
     standard error, and its valid rate with the binomial one (:mod:`dgr2.eval.paired`): at 300
     users a split a 1% gap is below the error of an unpaired comparison.  Built from the
     completions each stage's evaluation wrote; a stage without them (cached by older code) is
     left out, and no table is made without the AR model's."""
     from dgr2.eval.paired import gaps_against, score_saved_completions
+    from dgr2.eval.reward import reward_config_of
 
     examples = load_split(data, split)
     scored = {}
@@ -695,7 +701,7 @@ def _gaps_to_ar(data: StageOutput, stages: dict[str, StageOutput], split: str) -
             scored[name] = score_saved_completions(path, examples)
         else:
             log.warning("report: %s has no %s; its row is left out of the gap table", source, path.name)
-    return gaps_against(scored, "ar_sft") if "ar_sft" in scored else {}
+    return gaps_against(scored, "ar_sft", reward_config_of(cfg.rl)) if "ar_sft" in scored else {}
 
 
 COMMIT_ORDER_TAGS = {"confidence": "conf", "left_to_right": "l2r"}

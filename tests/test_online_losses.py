@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from dgr2.config import ModelConfig
+from dgr2.config import ModelConfig, load_config
 from dgr2.decoding.block_diffusion import diffusion_generate
 from dgr2.eval.parse import parse_completion
-from dgr2.eval.reward import RewardConfig, completion_reward, ranking_reward
+from dgr2.eval.reward import RewardConfig, completion_reward, ranking_reward, reward_config_of, reward_of_ranking
 from dgr2.models.ar import build_ar_model
 from dgr2.models.block_diffusion import BlockDiffusionLM
 from dgr2.train.divergence import teacher_log_probs, token_divergence
@@ -254,6 +254,19 @@ def test_reward_on_hand_made_rankings():
         ranking_reward(parse_completion(_answer(list(range(10))), k), 10, cfg)
     with pytest.raises(ValueError):
         RewardConfig(invalid_reward=0.5)
+
+
+def test_reward_of_a_scored_ranking_matches_the_parsed_one_and_reads_the_profile():
+    """Evaluation rows (validity already decided) get the reward rollouts get; a target that is
+    not among the candidates earns only the format term; the profile's RL settings are used."""
+    cfg = RewardConfig(invalid_reward=-0.5, echo_alpha=0.1)
+    for labels, target in [([3, 0, 1, 2, 4, 5, 6, 7, 8, 9], 3), (list(range(10)), 4), ([0, 0, 1, 2, 3, 4, 5, 6, 7, 8], 0)]:
+        parsed = parse_completion(_answer(labels), 10)
+        assert reward_of_ranking(parsed.valid, parsed.ranking, target, cfg) == ranking_reward(parsed, target, cfg)
+    assert reward_of_ranking(True, [1, 0, 2], -1, cfg).reward == pytest.approx(0.1)
+    assert reward_of_ranking(True, [0, 1, 2], -1, cfg).reward == 0.0
+    rl = load_config("tiny", ["rl.invalid_reward=-2.0", "rl.echo_alpha=0.3"]).rl
+    assert reward_config_of(rl) == RewardConfig(invalid_reward=-2.0, echo_alpha=0.3)
 
 
 def test_group_advantages_normalise_within_groups():

@@ -14,6 +14,7 @@ from dgr2.eval.paired import (
     proportion_standard_error,
     score_saved_completions,
 )
+from dgr2.eval.reward import RewardConfig
 from dgr2.pipeline import completions_file
 from dgr2.testing.scripts import load_script
 
@@ -90,6 +91,14 @@ def test_gaps_against_the_reference_from_saved_completions(tmp_path):
     assert rows["cft"]["gap_vs_reference"] == pytest.approx(((second - 1) + (1 - second)) / 4)
     assert rows["cft"]["valid_rate"] == 0.75
     assert rows["cft"]["valid_se"] == pytest.approx(math.sqrt(0.75 * 0.25 / 4))
+    # RL's reward (default: invalid -1, 0.2 for a valid non-echo): AR echoes on users 0, 1, 3
+    # (1.0 each) and puts the target second on user 2 (second + 0.2); CFT puts it second on user 0
+    # and is invalid on user 2, so the paired reward gap is ((second + 0.2 - 1) + (-1 - second - 0.2)) / 4
+    assert rows["ar_sft"]["reward"] == pytest.approx((3 + second + 0.2) / 4)
+    assert rows["cft"]["reward_gap"] == pytest.approx(-0.5)
+    assert rows["cft"]["reward_gap_se"] > 0
+    harsher = gaps_against(scored, "ar_sft", RewardConfig(invalid_reward=-3.0, echo_alpha=0.0))
+    assert harsher["cft"]["reward_gap"] == pytest.approx(((second - 1) + (-3 - second)) / 4)
     write("cft", answers["cft"], ids=["u1", "u0", "u2", "u3"])
     with pytest.raises(RuntimeError, match="not in the examples' order"):
         score_saved_completions(completions_file(tmp_path, "cft", "test"), examples)

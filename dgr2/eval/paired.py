@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dgr2.eval.metrics import ndcg_at_k
+from dgr2.eval.reward import RewardConfig, reward_of_ranking
 from dgr2.eval.scoring import score_completions
 
 
@@ -81,6 +82,13 @@ def per_example_ndcg(rows: Sequence[Mapping[str, Any]], k: int = 10) -> list[flo
     return [ndcg_at_k(None if int(row["strict_rank"]) < 0 else int(row["strict_rank"]), k) for row in rows]
 
 
+def per_example_reward(rows: Sequence[Mapping[str, Any]], cfg: RewardConfig = RewardConfig()) -> list[float]:
+    """The RL stage's reward (:mod:`dgr2.eval.reward`) of each scored request: what RL optimises,
+    measured on held-out users at the evaluation's decoding rather than on training rollouts."""
+    return [reward_of_ranking(bool(row["valid"]), row["parsed_ranking"], int(row["target_index"]), cfg).reward
+            for row in rows]
+
+
 def read_saved_completions(path: Path, examples: Sequence[Mapping[str, Any]]) -> list[str]:
     """The completions of a ``completions_<name>_<split>.jsonl`` file written by an evaluation
     (one ``{"example_id", "completion"}`` line per example), checked to be ``examples``' in order."""
@@ -95,21 +103,28 @@ def score_saved_completions(path: Path, examples: Sequence[Mapping[str, Any]]) -
     return score_completions(read_saved_completions(path, examples), examples).per_example
 
 
-def gaps_against(per_model: Mapping[str, Sequence[Mapping[str, Any]]], reference: str) -> dict[str, dict[str, float]]:
+def gaps_against(
+    per_model: Mapping[str, Sequence[Mapping[str, Any]]], reference: str, reward: RewardConfig = RewardConfig()
+) -> dict[str, dict[str, float]]:
     """One row per model: its NDCG@10, the paired gap to ``reference`` over the same requests
-    (difference, standard error, relative gap, 95% interval) and its valid rate with the
-    binomial standard error."""
+    (difference, standard error, relative gap, 95% interval), its valid rate with the binomial
+    standard error, and its mean RL reward (``reward``) with the paired gap and its error - RL's
+    own target, so "did RL raise its reward" is answered on held-out users, not on the
+    rollouts it trained on."""
     if reference not in per_model:
         raise KeyError(f"reference {reference!r} is not among the models {sorted(per_model)}")
     base = per_example_ndcg(per_model[reference])
+    base_reward = per_example_reward(per_model[reference], reward)
     rows = {}
     for name, scored in per_model.items():
         gap = paired_difference(per_example_ndcg(scored), base)
         low, high = gap.interval()
         valid = sum(bool(r["valid"]) for r in scored)
+        reward_gap = paired_difference(per_example_reward(scored, reward), base_reward)
         rows[name] = {
             "ndcg@10": gap.mean, "gap_vs_reference": gap.difference, "gap_se": gap.standard_error,
             "relative_gap": gap.relative, "ci95_low": low, "ci95_high": high,
             "valid_rate": valid / len(scored), "valid_se": proportion_standard_error(valid, len(scored)),
+            "reward": reward_gap.mean, "reward_gap": reward_gap.difference, "reward_gap_se": reward_gap.standard_error,
         }
     return rows

@@ -19,7 +19,9 @@ any duplicate / missing / malformed output -> -1.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dgr2.eval.parse import ParsedRanking, parse_completion
 
@@ -48,12 +50,27 @@ def ranking_reward(parsed: ParsedRanking, target_index: int, cfg: RewardConfig =
     """Reward of one strictly parsed ranking for a request whose target is ``target_index``."""
     if not 0 <= target_index < parsed.num_candidates:
         raise ValueError(f"target_index {target_index} outside 0..{parsed.num_candidates - 1}")
-    if not parsed.valid:
+    return reward_of_ranking(parsed.valid, parsed.ranking, target_index, cfg)
+
+
+def reward_of_ranking(
+    valid: bool, ranking: Sequence[int], target_index: int, cfg: RewardConfig = RewardConfig()
+) -> RewardBreakdown:
+    """The reward of a ranking already checked for validity (e.g. a scored evaluation row).
+
+    ``target_index`` -1 means the target is not among the candidates (an evaluation set may hold
+    such requests): a valid ranking then earns no NDCG, only the format term."""
+    if not valid:
         return RewardBreakdown(cfg.invalid_reward, False, 0.0, False)
-    rank = parsed.ranking.index(target_index)
-    ndcg = 1.0 / math.log2(rank + 2)
-    echoed = list(parsed.ranking) == list(range(parsed.num_candidates))
+    ranking = list(ranking)
+    ndcg = 1.0 / math.log2(ranking.index(target_index) + 2) if target_index >= 0 else 0.0
+    echoed = ranking == list(range(len(ranking)))
     return RewardBreakdown(ndcg + (0.0 if echoed else cfg.echo_alpha), True, ndcg, echoed)
+
+
+def reward_config_of(rl: Any) -> RewardConfig:
+    """The reward an RL config (:class:`dgr2.config.RlConfig`) trains on."""
+    return RewardConfig(invalid_reward=float(rl.invalid_reward), echo_alpha=float(rl.echo_alpha))
 
 
 def completion_reward(
