@@ -8,10 +8,12 @@ train split, hence the vocabulary and the teacher, are unchanged: the cap only s
 valid/test users), decodes the SFT model and any number of later stages (AR or block diffusion,
 told apart by the checkpoint's ``block_diffusion.json``) on it, and writes per split:
 
-- ``results_<split>_n<N>``: baselines and every model (strict scoring, structure, tokens/s);
+- ``results_<split>_n<N>``: baselines and every model (strict scoring, structure, tokens/s),
+  each diffusion stage also at every ``--tau`` threshold given (rows ``<stage>_tau<T>``);
 - ``paired_<split>_n<N>``: each model's NDCG@10 minus the SFT model's over the same users, with
-  the paired standard error, the relative gap and a 95% interval, and each validity rate with
-  its binomial standard error (:mod:`dgr2.eval.paired`);
+  the paired standard error, the relative gap and a 95% interval, each validity rate with its
+  binomial standard error, and each model's mean RL reward (the profile's) with its paired gap
+  (:mod:`dgr2.eval.paired`);
 - with ``--traces``, ``fidelity_<split>_n<N>``: every model's trace, field by field, against the
   rule teacher's evidence (``benchmarks/trace_fidelity.py``, which also rescores saved folders).
 
@@ -65,8 +67,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--traces", type=Path, help="its traces stage (adds trace fidelity for a rule teacher)")
     p.add_argument("--stage", type=Path, action="append", default=[],
                    help="a later completed stage (ar_rl, naive, cft, opd, rl); repeat for several")
+    p.add_argument("--tau", type=float, action="append", default=[],
+                   help="also decode each diffusion stage at this confidence threshold (row <stage>_tau<T>); repeat")
     p.add_argument("--out", type=Path, required=True, help="folder for the tables")
     args = p.parse_args(argv)
+    if any(not 0.0 < t <= 1.0 for t in args.tau):
+        raise SystemExit(f"--tau must be in (0, 1], got {args.tau}")
 
     cfg = load_config(args.config, [*args.overrides, f"data.max_eval_examples={args.examples}"])
     store = StageStore(Path(cfg.pipeline.runs_dir) / "stages")
@@ -80,8 +86,12 @@ def main(argv: list[str] | None = None) -> dict:
                                         args.out)}
     for name, stage in later.items():
         model_dir = stage.file("model")
-        models[name] = evaluate_model(cfg, data, vocab, model_dir, stage.file("tokenizer"), model_kind(model_dir),
-                                      name, args.out)
+        kind = model_kind(model_dir)
+        models[name] = evaluate_model(cfg, data, vocab, model_dir, stage.file("tokenizer"), kind, name, args.out)
+        for tau in args.tau if kind == "diffusion" else []:
+            row = f"{name}_tau{tau:g}"
+            models[row] = evaluate_model(cfg, data, vocab, model_dir, stage.file("tokenizer"), kind, row, args.out,
+                                         threshold=tau)
     counts = item_counts(data)
     summary = {}
     for split in cfg.eval.splits:

@@ -487,3 +487,48 @@ def test_trace_fidelity_script_scores_saved_folders_and_refuses_ambiguous_or_for
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no completions_<name>_test.jsonl files"):
         script.saved_completions([tmp_path / "empty"], "test")
+
+
+def test_order_errors_script_finds_the_first_break_of_the_order_section(world, teacher) -> None:
+    """The teacher's own trace has no break; an inserted label, a dropped level and a cut
+    section are each found at the right word with the right kinds; the summary counts forced
+    (below tau) and confident breaks."""
+    script = load_script("benchmarks/order_errors.py", register=True)
+    _, examples = world
+    own = teacher.rank(RerankRequest.from_example(examples[0])).completion()
+    assert script.first_order_break(own) is None
+
+    words = own.split()
+    start = words.index("order") + 1
+    first_label = next(i for i in range(start, len(words)) if words[i].startswith("c"))
+    doubled = words[: first_label + 1] + [words[first_label]] + words[first_label + 1:]
+    text = " ".join(doubled)
+    found = script.first_order_break(text)
+    assert found.written == "label" and found.expected in ("label", "level")
+    assert len(text[: found.char_offset].split()) == first_label + 1  # the inserted copy, not the original
+
+    close = words.index("</think>")
+    cut = " ".join(words[: close - 1] + words[close:])  # the last level word ("0") dropped
+    found = script.first_order_break(cut)
+    assert (found.expected, found.written) == ("level", "end")
+    assert cut[found.char_offset:].lstrip().startswith("</think>")
+
+    with pytest.raises(ValueError, match="no '; scores"):
+        script.first_order_break("<think> x </think> <answer> c1 </answer>")
+    with pytest.raises(ValueError, match="malformed scores"):
+        script.first_order_break("; scores c1 x ; order 19 </think>")
+
+    class WordTokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": text.split()}
+
+    assert script.token_index(WordTokenizer(), "a b c d", 4) == 2  # "c" starts at character 4
+
+    records = [{"confidence": c, "expected": e, "written": w, "block_slot": s, "left_neighbour_masked": m}
+               for c, e, w, s, m in [(0.5, "level", "label", 3, False), (0.95, "label", "label", 3, True),
+                                     (0.99, "level", "end", 7, False)]]
+    summary = script.summarise(records, 0.9, drift=0, unparsable=1)
+    assert (summary["forced_below_tau"], summary["confident"]) == (1, 2)
+    assert summary["confident_with_left_neighbour_masked"] == 1
+    assert summary["kinds"] == {"level->label": 1, "label->label": 1, "level->end": 1}
+    assert summary["block_slots"] == {3: 2, 7: 1} and summary["confidence_quantiles"]["q50"] == 0.95

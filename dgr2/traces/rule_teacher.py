@@ -43,7 +43,7 @@ weights, giving diverse but self-consistent traces for rejection sampling.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +71,17 @@ def render_trace(evidence: RequestEvidence, score_buckets: np.ndarray) -> list[s
     for ev, bucket in zip(evidence.candidates, score_buckets):
         words += [fmt.candidate_label(ev.position), str(int(bucket))]
     words += [";", "order"]
+    return words + render_order([(fmt.candidate_label(ev.position), int(b))
+                                 for ev, b in zip(evidence.candidates, score_buckets)])
+
+
+def render_order(labelled_scores: Sequence[tuple[str, int]]) -> list[str]:
+    """The ``order`` section's words for ``(label, score digit)`` pairs in position order: each
+    level from the highest down, followed by the labels at that level (a bucket sort written out)."""
+    words: list[str] = []
     for digit in range(NUM_SCORE_BUCKETS - 1, -1, -1):
         words.append(str(digit))
-        words += [fmt.candidate_label(ev.position) for ev, b in zip(evidence.candidates, score_buckets) if int(b) == digit]
+        words += [label for label, b in labelled_scores if b == digit]
     return words
 
 
