@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.stage_cli import stage_at, stage_context, stage_parser  # noqa: E402
+from benchmarks.stage_cli import add_users_arguments, eval_set_overrides, stage_at, stage_context, stage_parser  # noqa: E402
 from dgr2.eval.paired import read_saved_completions  # noqa: E402
 from dgr2.pipeline import load_split  # noqa: E402
 from dgr2.traces.rule_teacher import render_order  # noqa: E402
@@ -140,12 +140,10 @@ def write_outputs(summary: dict[str, Any], records: list[dict[str, Any]], out: P
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = stage_parser(__doc__)
-    p.add_argument("--examples", type=int, help="users a split the completions were decoded on (default: the profile's)")
-    p.add_argument("--split", default="test")
+    add_users_arguments(p)
     p.add_argument("--completions", type=Path, required=True, help="the stage's saved completions_<name>_<split>.jsonl")
     args = p.parse_args(argv)
-    if args.examples:
-        args.overrides = [*args.overrides, f"data.max_eval_examples={args.examples}"]
+    args.overrides = eval_set_overrides(args)
 
     from dgr2.eval.model_eval import encode_prompts
     from dgr2.models.ar import load_model

@@ -40,15 +40,26 @@ def add_eval_set_arguments(p: argparse.ArgumentParser) -> None:
     split and the split (for scripts that re-score saved completions)."""
     p.add_argument("--config", default="default")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="dotted config override")
+    add_users_arguments(p)
+
+
+def add_users_arguments(p: argparse.ArgumentParser) -> None:
+    """``--examples`` (users a split the completions were decoded on) and ``--split``: which
+    evaluation users a script reads, for parsers that already take ``--config``/``--set``."""
     p.add_argument("--examples", type=int, help="users a split the completions were decoded on (default: the profile's)")
     p.add_argument("--split", default="test")
+
+
+def eval_set_overrides(args: Any) -> list[str]:
+    """``args.overrides`` plus the ``data.max_eval_examples`` that ``args.examples`` asks for, so
+    the data stage is found by the key it was built with."""
+    return [*args.overrides, *([f"data.max_eval_examples={args.examples}"] if args.examples else [])]
 
 
 def eval_set_examples(args: Any) -> list[dict[str, Any]]:
     """The requests of ``args.split`` at ``args.examples`` users a split, in evaluation order: the
     data stage read from the cache, or built exactly as the pipeline would."""
-    overrides = [*args.overrides, *([f"data.max_eval_examples={args.examples}"] if args.examples else [])]
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, eval_set_overrides(args))
     return load_split(run_data(cfg, StageStore(Path(cfg.pipeline.runs_dir) / "stages")), args.split)
 
 
