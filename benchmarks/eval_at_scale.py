@@ -9,7 +9,8 @@ valid/test users), decodes the SFT model and any number of later stages (AR or b
 told apart by the checkpoint's ``block_diffusion.json``) on it, and writes per split:
 
 - ``results_<split>_n<N>``: baselines and every model (strict scoring, structure, tokens/s),
-  each diffusion stage also at every ``--tau`` threshold given (rows ``<stage>_tau<T>``);
+  each diffusion stage also at every ``--tau`` threshold given (rows ``<stage>_tau<T>``) and at
+  the profile's tau with every ``--ranking-tau`` bar in the ranking sections (rows ``<stage>_rank<R>``);
 - ``paired_<split>_n<N>``: each model's NDCG@10 minus the SFT model's over the same users, with
   the paired standard error, the relative gap and a 95% interval, each validity rate with its
   binomial standard error, and each model's mean RL reward (the profile's) with its paired gap
@@ -69,10 +70,13 @@ def main(argv: list[str] | None = None) -> dict:
                    help="a later completed stage (ar_rl, naive, cft, opd, rl); repeat for several")
     p.add_argument("--tau", type=float, action="append", default=[],
                    help="also decode each diffusion stage at this confidence threshold (row <stage>_tau<T>); repeat")
+    p.add_argument("--ranking-tau", type=float, action="append", default=[],
+                   help="also decode each diffusion stage at the profile's tau with this bar in the ranking sections "
+                        "(diffusion.ranking_threshold; row <stage>_rank<R>); repeat")
     p.add_argument("--out", type=Path, required=True, help="folder for the tables")
     args = p.parse_args(argv)
-    if any(not 0.0 < t <= 1.0 for t in args.tau):
-        raise SystemExit(f"--tau must be in (0, 1], got {args.tau}")
+    if any(not 0.0 < t <= 1.0 for t in args.tau + args.ranking_tau):
+        raise SystemExit(f"--tau and --ranking-tau must be in (0, 1], got {args.tau + args.ranking_tau}")
 
     cfg = load_config(args.config, [*args.overrides, f"data.max_eval_examples={args.examples}"])
     store = StageStore(Path(cfg.pipeline.runs_dir) / "stages")
@@ -92,6 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
             row = f"{name}_tau{tau:g}"
             models[row] = evaluate_model(cfg, data, vocab, model_dir, stage.file("tokenizer"), kind, row, args.out,
                                          threshold=tau)
+        for bar in args.ranking_tau if kind == "diffusion" else []:
+            row = f"{name}_rank{bar:g}"
+            models[row] = evaluate_model(cfg, data, vocab, model_dir, stage.file("tokenizer"), kind, row, args.out,
+                                         ranking_threshold=bar)
     counts = item_counts(data)
     summary = {}
     for split in cfg.eval.splits:

@@ -156,6 +156,15 @@ class DiffusionConfig(_Strict):
     # would discard.  On CPU, where the head's rows are arithmetic, 8 saves most of them; on an
     # accelerator each chunk is a host sync, so 0 (or the block size) may be faster there
     head_chunk: int = Field(8, ge=0)
+    # commit threshold of the ranking sections: from the trace's `ranking_marker` token on (the
+    # `order` keyword: the order and answer sections, a permutation that one wrong label makes
+    # invalid) a slot commits in parallel only at this confidence (dgr2.decoding.commit, "strict
+    # sections"); None = confidence_threshold everywhere (the paper's single threshold).  Applied
+    # as max(ranking_threshold, tau), so a tau swept above it decodes every section at that tau.
+    # A decode-time rule: the report's rows and the served bundle use it; training rollouts and
+    # the stages' own evaluations do not, so setting it re-runs no training stage
+    ranking_threshold: float | None = Field(None, gt=0.0, le=1.0)
+    ranking_marker: str = "order"
     mask_schedule: Literal["uniform", "linear", "cosine"] = "uniform"
     # Smallest mask ratio a training block can draw (t ~ schedule over [mask_eps, 1]).
     mask_eps: float = Field(1e-3, gt=0.0, lt=1.0)

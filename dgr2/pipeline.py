@@ -58,11 +58,17 @@ TRACKED_STAGES = ("sft", "ar_rl", "mdm", "cft", "opd", "rl", "register")
 # stay valid; any other value is part of the key.
 KEY_NEUTRAL_FIELDS: dict[tuple[str, str], Any] = {
     ("diffusion", "defer_repeats"): False, ("diffusion", "head_chunk"): 8, ("eval", "decode_block_sweep"): [],
+    ("diffusion", "ranking_threshold"): None, ("diffusion", "ranking_marker"): "order",
     ("opd", "focus_weight"): 1.0, ("opd", "focus_token"): "<answer>", ("opd", "clean_weight"): 0.0,
 }
 # a field only one stage reads stays out of every other stage's key, so changing it re-runs that
 # stage alone (the decode-block sweep is the report's; CFT/OPD/RL evaluate at the trained block)
-SINGLE_STAGE_FIELDS: dict[tuple[str, str], str] = {("eval", "decode_block_sweep"): "report"}
+SINGLE_STAGE_FIELDS: dict[tuple[str, str], str] = {
+    ("eval", "decode_block_sweep"): "report",
+    # a decode-time rule of the report's rows and the served model (its bundle is keyed by the
+    # report); the training stages' rollouts and their own evaluations decode without it
+    ("diffusion", "ranking_threshold"): "report", ("diffusion", "ranking_marker"): "report",
+}
 
 
 def _key(stage: str, cfg: Config, sections: tuple[str, ...], inputs: list[StageOutput],
@@ -236,13 +242,14 @@ def run_sft(
 
 # --------------------------------------------------------------------------- evaluation helper
 def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None = None, batch_size: int | None = None,
-             commit_order: str | None = None, block_size: int | None = None):
+             commit_order: str | None = None, block_size: int | None = None, ranking_threshold: float | None = None):
     """The decode callable of an evaluation: greedy AR, or block diffusion with cfg.diffusion
-    (``threshold`` / ``commit_order`` / ``block_size`` override its decoding rule)."""
+    (``threshold`` / ``commit_order`` / ``block_size`` override its decoding rule;
+    ``ranking_threshold`` adds the ranking sections' bar, ``diffusion.ranking_marker`` on)."""
     from dgr2.decoding.ar import ar_generate
     from dgr2.decoding.block_diffusion import diffusion_generate
     from dgr2.decoding.block_loop import decode_block_steps
-    from dgr2.eval.model_eval import stop_token_ids
+    from dgr2.eval.model_eval import stop_token_ids, strict_section_ids
     from dgr2.models.block_diffusion import mask_id_from_tokenizer
 
     stops = stop_token_ids(tokenizer)
@@ -254,10 +261,16 @@ def _decoder(cfg: Config, kind: str, model, tokenizer, threshold: float | None =
     tau = d.confidence_threshold if threshold is None else threshold
     block = block_size or d.block_size
     steps = decode_block_steps(d.max_steps_per_block, d.block_size, block)
+    # the ranking sections' bar (dgr2.decoding.commit, strict sections): only where asked for,
+    # never below this decode's tau
+    strict: dict[str, Any] = {}
+    if ranking_threshold is not None:
+        strict = dict(strict_threshold=max(ranking_threshold, tau),
+                      strict_after=strict_section_ids(tokenizer, d.ranking_marker))
     return lambda prompt_ids: diffusion_generate(
         model, prompt_ids, block_size=block, max_steps_per_block=steps, threshold=tau,
         mask_id=mask_id_from_tokenizer(tokenizer), commit_order=commit_order or d.commit_order,
-        defer_repeats=d.defer_repeats, head_chunk=d.head_chunk, **common,
+        defer_repeats=d.defer_repeats, head_chunk=d.head_chunk, **strict, **common,
     )
 
 
@@ -271,6 +284,7 @@ def evaluate_model(
     cfg: Config, data: StageOutput, vocab: StageOutput, model_dir: Path, tokenizer_dir: Path, kind: str,
     name: str, work: Path, splits: list[str] | None = None, threshold: float | None = None,
     fidelity_teacher: Any = None, commit_order: str | None = None, block_size: int | None = None,
+    ranking_threshold: float | None = None,
 ) -> dict[str, dict[str, float]]:
     """Decode ``model_dir`` on each split, score strictly; write ``<name>_<split>.json`` and the
     completions; return one results-table row per split (ranking, structure, tokens/s).
@@ -288,7 +302,8 @@ def evaluate_model(
     catalog = ItemCatalog.load(vocab.file("catalog"))
     tokenizer = load_tokenizer(tokenizer_dir)
     model = load_model(model_dir)
-    decode = _decoder(cfg, kind, model, tokenizer, threshold, commit_order=commit_order, block_size=block_size)
+    decode = _decoder(cfg, kind, model, tokenizer, threshold, commit_order=commit_order, block_size=block_size,
+                      ranking_threshold=ranking_threshold)
     rows: dict[str, dict[str, float]] = {}
     for split in splits or cfg.eval.splits:
         examples = load_split(data, split)
@@ -359,7 +374,8 @@ def _request_decoders(cfg: Config, data: StageOutput, vocab: StageOutput, split:
             tokenizers[tok_dir] = load_tokenizer(tok_dir)
             prompts[tok_dir] = encode_prompts(tokenizers[tok_dir], catalog, examples)
         decode = _decoder(cfg, spec["kind"], models[model_dir], tokenizers[tok_dir], spec.get("threshold"), batch_size=1,
-                          commit_order=spec.get("commit_order"), block_size=spec.get("block_size"))
+                          commit_order=spec.get("commit_order"), block_size=spec.get("block_size"),
+                          ranking_threshold=spec.get("ranking_threshold"))
         decoders[name] = RequestDecoder(decode, prompts[tok_dir])
     return decoders
 
@@ -733,11 +749,18 @@ def _tau_sweep(cfg: Config, data: StageOutput, vocab: StageOutput, sft: StageOut
     for block in cfg.eval.decode_block_sweep:  # the configured rule, the trained block cut smaller
         specs[f"{label}_block{block}"] = {"model_dir": model, "tokenizer_dir": tokenizer, "kind": "diffusion",
                                           "block_size": block}
+    ranking = cfg.diffusion.ranking_threshold
+    for tau in cfg.eval.tau_sweep if ranking is not None else []:  # the configured order, stricter ranking sections
+        if tau < ranking:
+            specs[f"{label}_tau{tau:g}_rank{ranking:g}"] = {
+                "model_dir": model, "tokenizer_dir": tokenizer, "kind": "diffusion", "threshold": tau,
+                "ranking_threshold": ranking}
     for name, spec in specs.items():
         if name != "ar_sft":
             rows[name] = evaluate_model(cfg, data, vocab, model, tokenizer, "diffusion", name, sweep_dir, [split],
                                         threshold=spec.get("threshold"), commit_order=spec.get("commit_order"),
-                                        block_size=spec.get("block_size"))[split]
+                                        block_size=spec.get("block_size"),
+                                        ranking_threshold=spec.get("ranking_threshold"))[split]
     if cfg.eval.latency_examples:  # every row one request at a time, interleaved request by request
         from dgr2.eval.latency import interleaved_request_speed
 
@@ -789,7 +812,9 @@ def run_register(
             name=cfg.serve_model.name, version=rl.key, kind="diffusion",
             decoding={"max_steps_per_block": d.max_steps_per_block, "threshold": d.confidence_threshold,
                       "max_new_tokens": cfg.eval.max_new_tokens, "commit_order": d.commit_order,
-                      "defer_repeats": d.defer_repeats, "head_chunk": d.head_chunk},  # block: block_diffusion.json
+                      "defer_repeats": d.defer_repeats, "head_chunk": d.head_chunk,
+                      "ranking_threshold": d.ranking_threshold, "ranking_marker": d.ranking_marker},
+            # block: block_diffusion.json
             mlflow_run_id=mlflow_run_id, metrics=metrics, ar_model_dir=sft.file("model"),
         )
         stats: dict[str, Any] = {"metrics": metrics}

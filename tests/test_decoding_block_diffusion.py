@@ -306,3 +306,43 @@ def test_split_head_only_for_heads_it_can_reproduce():
     assert decoder is model.model and head is model.lm_head
     capped = SimpleNamespace(config=SimpleNamespace(model_type="gemma2"))
     assert split_head(capped) is None
+
+
+def test_strict_sections_decode_alike_in_every_decoder_and_only_delay_commits():
+    """From a marker token on a slot commits in parallel only at the strict bar: the chunked,
+    whole-step and recompute-everything decoders decide alike; at bar 1 every slot after a row's
+    first marker gets a pass of its own; a bar equal to tau changes nothing; bad settings are
+    refused with the reason."""
+    model = tiny_ar("qwen2")
+    base = dict(block_size=8, max_steps_per_block=8, max_new_tokens=24, threshold=0.3, commit_order="left_to_right",
+                defer_repeats=True)
+    plain = run(diffusion_generate, model, **base)
+    # the marker: the token the random model commits most often, so most rows meet it early
+    counts: dict[int, int] = {}
+    for seq in plain.sequences:
+        for t in seq:
+            counts[t] = counts.get(t, 0) + 1
+    marker = max(counts, key=counts.get)
+    assert run(diffusion_generate, model, strict_threshold=0.3, strict_after=[marker], **base).sequences == plain.sequences
+    strict = dict(base, strict_threshold=1.0, strict_after=[marker])
+    reference = run(diffusion_generate_uncached, model, **strict)
+    for chunk in (0, 1, 3):
+        out = run(diffusion_generate, model, head_chunk=chunk, **strict)
+        assert out.sequences == reference.sequences and out.unmask_steps == reference.unmask_steps
+    assert reference.forward_passes > plain.forward_passes
+    checked = 0
+    for seq, steps in zip(reference.sequences, reference.unmask_steps):
+        if marker not in seq:
+            continue
+        first = seq.index(marker)
+        for start in range(0, len(seq), 8):  # per block: the slots after the marker commit one a pass
+            after = [steps[i] for i in range(max(start, first + 1), min(start + 8, len(seq)))]
+            assert len(after) == len(set(after))
+            checked += len(after)
+    assert checked > 10
+    with pytest.raises(ValueError, match="strict_threshold must be in"):
+        run(diffusion_generate, model, **dict(base, strict_threshold=0.2, strict_after=[marker]))
+    with pytest.raises(ValueError, match="go together"):
+        run(diffusion_generate, model, **dict(base, strict_threshold=0.5))
+    with pytest.raises(ValueError, match="cannot be a strict-section marker"):
+        run(diffusion_generate, model, **dict(base, strict_threshold=0.5, strict_after=[MASK]))

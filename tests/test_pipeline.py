@@ -135,6 +135,7 @@ def test_cft_and_mdm_keys_each_follow_only_their_own_step_count():
     ("naive", "diffusion", "defer_repeats", "false", "true"),
     ("report", "eval", "decode_block_sweep", "[]", "[8]"),
     ("report", "diffusion", "head_chunk", "8", "0"),
+    ("report", "diffusion", "ranking_threshold", "null", "0.97"),
 ])
 def test_a_field_added_later_leaves_old_keys_alone_at_its_neutral_value(stage, section, field, neutral, other):
     """At its neutral value a field added later (``diffusion.defer_repeats=false``: the decoding
@@ -142,7 +143,7 @@ def test_a_field_added_later_leaves_old_keys_alone_at_its_neutral_value(stage, s
     key computed without the field; any other value gets a new key."""
     import yaml
 
-    from dgr2.pipeline import KEY_NEUTRAL_FIELDS, STAGE_VERSIONS, _key
+    from dgr2.pipeline import KEY_NEUTRAL_FIELDS, SINGLE_STAGE_FIELDS, STAGE_VERSIONS, _key
     from dgr2.stage_store import StageOutput, stage_key
 
     assert KEY_NEUTRAL_FIELDS[(section, field)] == yaml.safe_load(neutral)
@@ -153,6 +154,9 @@ def test_a_field_added_later_leaves_old_keys_alone_at_its_neutral_value(stage, s
     for other_section, other_field in KEY_NEUTRAL_FIELDS:  # every field the section added later, at its default
         if other_section == section and without.get(other_field) == KEY_NEUTRAL_FIELDS[(section, other_field)]:
             del without[other_field]
+    for (other_section, other_field), owner in SINGLE_STAGE_FIELDS.items():  # another stage's field
+        if other_section == section and owner != stage:
+            without.pop(other_field, None)
     assert field not in without
     before = stage_key(stage, STAGE_VERSIONS[stage], {"config": {section: without}, "inputs": {"sft": "k0"}})
     assert _key(stage, off, (section,), inputs) == before
@@ -172,6 +176,32 @@ def test_a_field_one_stage_reads_stays_out_of_the_other_stages_keys():
     for stage in ("eval", "naive", "cft", "opd", "rl"):
         assert _key(stage, plain, ("eval", "diffusion"), inputs) == _key(stage, swept, ("eval", "diffusion"), inputs)
     assert _key("report", plain, ("eval", "diffusion"), inputs) != _key("report", swept, ("eval", "diffusion"), inputs)
+
+
+def test_the_ranking_threshold_is_a_decode_time_rule_of_the_report_and_the_served_model():
+    """``diffusion.ranking_threshold`` changes the report's key alone (no training stage re-runs
+    for a decoding rule); below tau it is inert (applied as the larger of the two), not refused, so
+    a tau sweep above it still loads; a marker the tokenizer lacks is refused."""
+    from types import SimpleNamespace
+
+    from dgr2.eval.model_eval import strict_section_ids
+    from dgr2.pipeline import _key
+    from dgr2.stage_store import StageOutput
+
+    inputs = [StageOutput("sft", "k0", None, {}, cached=True)]
+    plain = load_config("tiny", ["diffusion.ranking_threshold=null"])
+    strict = load_config("tiny", ["diffusion.ranking_threshold=0.97"])
+    for stage in ("naive", "mdm", "cft", "opd", "rl"):
+        assert _key(stage, plain, ("eval", "diffusion"), inputs) == _key(stage, strict, ("eval", "diffusion"), inputs)
+    assert _key("report", plain, ("eval", "diffusion"), inputs) != _key("report", strict, ("eval", "diffusion"), inputs)
+    cfg = load_config("tiny", ["diffusion.confidence_threshold=1.0", "diffusion.ranking_threshold=0.8"])
+    assert cfg.diffusion.ranking_threshold == 0.8
+    vocab = {"order": 7, "<unk>": 1}
+    tokenizer = SimpleNamespace(unk_token_id=1,
+                                convert_tokens_to_ids=lambda tokens: [vocab.get(t, 1) for t in tokens])
+    assert strict_section_ids(tokenizer, "order") == [7]
+    with pytest.raises(ValueError, match="not a token"):
+        strict_section_ids(tokenizer, "ordre")
 
 
 def test_a_decode_block_larger_than_the_trained_block_is_refused():

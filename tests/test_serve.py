@@ -189,6 +189,33 @@ def test_a_deployment_sets_the_head_chunk_without_changing_outputs(bundle_dir, i
         Reranker.from_bundle(str(bundle_dir), torch_threads=1, decoding={"head_chunk": -1})
 
 
+def test_a_deployment_sets_the_ranking_sections_threshold(bundle_dir, items: list[str]) -> None:
+    """``decoding.ranking_threshold`` (dgr2.decoding.commit, strict sections): shown by
+    ``GET /v1/model``; from the marker token on slots commit only at that bar, so at 1 the same
+    request takes more passes; a marker the tokenizer lacks is refused at start-up."""
+    from dgr2.serving.bundle import BundleError
+
+    # a step budget of the block's size, so no floor forces commits, and a bar low enough for
+    # the untrained model's flat, repetitive predictions to commit in parallel
+    def deployment(**decoding):
+        return Reranker.from_bundle(str(bundle_dir), torch_threads=1, min_threshold=1e-6,
+                                    decoding={"commit_order": "left_to_right", "max_steps_per_block": 32,
+                                              "defer_repeats": False, **decoding})
+
+    request = RerankInput(history=items[:3], candidates=items[5:12], decoding={"threshold": 1e-6})
+    plain = deployment()
+    assert plain.info()["decoding"]["ranking_threshold"] is None
+    first = plain.rerank(request)
+    marker = first.completion.split()[0]  # the random model's first token opens the section at once
+    strict = deployment(ranking_threshold=1.0, ranking_marker=marker)
+    assert strict.info()["decoding"]["ranking_threshold"] == 1.0
+    second = strict.rerank(request)
+    assert sorted(second.ranking) == sorted(items[5:12])
+    assert second.forward_passes > first.forward_passes
+    with pytest.raises(BundleError, match="not a token"):
+        deployment(ranking_threshold=0.99, ranking_marker="no-such-token")
+
+
 def test_reranker_groups_by_decoding_settings_and_isolates_refusals(reranker: Reranker, items: list[str]) -> None:
     reqs = [
         RerankInput(history=[], candidates=items[10:15], decoding={"max_new_tokens": 4}),

@@ -223,11 +223,14 @@ def diffusion_generate(
     defer_repeats: bool = False,
     head_chunk: int = DEFAULT_HEAD_CHUNK,
     defer_last_layer: bool = True,
+    strict_threshold: float | None = None,
+    strict_after: Iterable[int] = (),
 ) -> DecodeOutput:
     """Block-diffusion continuations (new tokens only, cut after the first stop, inclusive).
 
     ``eos_id=None`` with no ``stop_ids`` produces exactly ``max_new_tokens`` per prompt.
-    ``head_chunk``: see :func:`dgr2.decoding.block_loop.decode_blocks` (same output at any value).
+    ``head_chunk``: see :func:`dgr2.decoding.block_loop.decode_blocks` (same output at any value);
+    ``strict_threshold`` / ``strict_after``: the strict-section bar (:mod:`dgr2.decoding.commit`).
     ``defer_last_layer``: run the last layer only at the slots read, in passes large enough for
     it to pay and where the architecture allows (:mod:`dgr2.decoding.last_layer`; same tokens
     either way, False is for comparisons).
@@ -238,5 +241,5 @@ def diffusion_generate(
             max_steps_per_block=max_steps_per_block, threshold=threshold, max_new_tokens=max_new_tokens,
             mask_id=mask_id, eos_id=eos_id, pad_id=pad_id, stop_ids=stop_ids, batch_size=batch_size,
             temperature=temperature, seed=seed, commit_order=commit_order, defer_repeats=defer_repeats,
-            head_chunk=head_chunk,
+            head_chunk=head_chunk, strict_threshold=strict_threshold, strict_after=strict_after,
         )

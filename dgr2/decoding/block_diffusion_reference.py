@@ -79,6 +79,8 @@ def diffusion_generate_uncached(
     seed: int | None = None,
     commit_order: CommitOrder = "confidence",
     defer_repeats: bool = False,
+    strict_threshold: float | None = None,
+    strict_after: Iterable[int] = (),
 ) -> DecodeOutput:
     """Same contract and decisions as ``diffusion_generate``, computed without a cache."""
     return decode_blocks(
@@ -86,4 +88,5 @@ def diffusion_generate_uncached(
         threshold=threshold, max_new_tokens=max_new_tokens, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id,
         stop_ids=stop_ids, batch_size=batch_size,
         temperature=temperature, seed=seed, commit_order=commit_order, defer_repeats=defer_repeats,
+        strict_threshold=strict_threshold, strict_after=strict_after,
     )

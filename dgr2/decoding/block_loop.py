@@ -30,7 +30,9 @@ from dgr2.decoding.commit import (
     BlockState,
     CommitOrder,
     LeftToRightRuns,
+    StrictSections,
     block_state,
+    confident_at,
     commit_step,
     propose_tokens,
 )
@@ -54,6 +56,8 @@ class BlockDecodeSettings:
     commit_order: CommitOrder = "confidence"
     defer_repeats: bool = False
     head_chunk: int = 0
+    strict_threshold: float | None = None
+    strict_after: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         validate_block_size(self.block_size)
@@ -69,6 +73,15 @@ class BlockDecodeSettings:
             )
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if (self.strict_threshold is None) != (not self.strict_after):
+            raise ValueError("strict_threshold and strict_after go together: a strict section needs both "
+                             f"its threshold and its marker tokens (got {self.strict_threshold!r}, "
+                             f"{sorted(self.strict_after)})")
+        if self.strict_threshold is not None and not self.threshold <= self.strict_threshold <= 1.0:
+            raise ValueError(f"strict_threshold must be in [threshold ({self.threshold}), 1], got "
+                             f"{self.strict_threshold}: a strict section raises the bar, never lowers it")
+        if self.mask_id in self.strict_after:
+            raise ValueError(f"mask_id {self.mask_id} cannot be a strict-section marker")
         if self.mask_id in self.stops:
             raise ValueError(f"mask_id {self.mask_id} cannot also be a stop token")
         if not 0.0 <= self.temperature <= 10.0:
@@ -179,11 +192,14 @@ def decode_blocks(
     commit_order: CommitOrder = "confidence",
     defer_repeats: bool = False,
     head_chunk: int = 0,
+    strict_threshold: float | None = None,
+    strict_after: Iterable[int] = (),
 ) -> DecodeOutput:
     """Validate, batch by length, decode each batch with ``make_predictor``'s logits.
 
     ``temperature > 0`` samples (``seed`` makes it reproducible); 0 is greedy.  ``commit_order``
-    is the commit rule's order and ``defer_repeats`` its repeat deferral (:mod:`dgr2.decoding.commit`).
+    is the commit rule's order and ``defer_repeats`` its repeat deferral; ``strict_threshold``
+    is the bar from any of the ``strict_after`` tokens on (:mod:`dgr2.decoding.commit`).
     ``head_chunk > 0`` evaluates a greedy left-to-right step's slots that many at a time from the
     left, stopping once every row's committed run has ended (:func:`step_commits`); the output
     is identical, only work the rule would discard is skipped.
@@ -192,6 +208,7 @@ def decode_blocks(
     settings = BlockDecodeSettings(
         block_size, max_steps_per_block, float(threshold), max_new_tokens, mask_id, pad_id,
         stop_set(eos_id, stop_ids), float(temperature), commit_order, bool(defer_repeats), int(head_chunk),
+        None if strict_threshold is None else float(strict_threshold), frozenset(int(t) for t in strict_after),
     )
     ar = unwrap(model)
     record = _Record(prompt_ids)
@@ -264,6 +281,9 @@ def _decode_batch(
         logprob = [[0.0] * length for _ in range(rows)]
         state = [BlockState.OPEN] * rows
         taken = [0] * rows
+        # rows whose strict section opened in an earlier block (or earlier in this one, below)
+        strict = [bool(settings.strict_after) and any(t in settings.strict_after for t in record.tokens[active[r]])
+                  for r in range(rows)]
         for step in range(budget):
             open_rows = [r for r in range(rows) if state[r] is BlockState.OPEN]
             # only these slots can commit this step
@@ -280,12 +300,14 @@ def _decode_batch(
                     row_passes[active[r]] += 1
                 if state[r] is BlockState.OPEN:
                     taken[r] += 1
-            commit, proposed, proposed_logp = step_commits(logits, live, slots_t, budget - step, settings, generator)
+            commit, proposed, proposed_logp = step_commits(logits, live, slots_t, budget - step, settings, generator,
+                                                           strict)
             for r in open_rows:
                 for i, c in enumerate(slots):
                     if commit[r][i]:
                         tokens[r][c], masked[r][c] = proposed[r][i], False
                         unmasked_at[r][c], logprob[r][c] = step, proposed_logp[r][i]
+                        strict[r] = strict[r] or proposed[r][i] in settings.strict_after
                 state[r] = block_state(tokens[r], masked[r], settings.stops)
             if BlockState.OPEN not in state:
                 break
@@ -320,9 +342,11 @@ def step_commits(
     steps_left: int,
     settings: BlockDecodeSettings,
     generator: torch.Generator | None,
+    strict_rows: list[bool] | None = None,
 ) -> tuple[list[list[bool]], list[list[int]], list[list[float]]]:
     """``(commit, tokens, logprobs)`` per row over ``slots`` (``live``: per row, whether each
-    of ``slots`` is masked in a row still open), as lists.
+    of ``slots`` is masked in a row still open), as lists.  ``strict_rows``: per row, whether
+    its strict section opened before this step (used when ``settings.strict_threshold`` is set).
 
     Greedy left-to-right steps with ``settings.head_chunk > 0`` read the logits a chunk at a
     time from the left: a slot's decision depends only on the slots left of it (and the
@@ -337,16 +361,25 @@ def step_commits(
     the whole step."""
     n = len(logits)
     chunk = settings.head_chunk
+    strict_on = settings.strict_threshold is not None
+    if strict_rows is None:
+        strict_rows = [False] * len(live)
     if not chunk or chunk >= n or settings.temperature > 0 or settings.commit_order != "left_to_right":
         live_t = torch.tensor(live, dtype=torch.bool, device=slots.device).reshape(len(live), n)
+        strict = None
+        if strict_on:
+            strict = StrictSections(settings.strict_threshold,
+                                    torch.tensor(sorted(settings.strict_after), device=slots.device),
+                                    torch.tensor(strict_rows, dtype=torch.bool, device=slots.device))
         commit, tokens, token_logp = commit_step(
             logits.columns(0, n), live_t, settings.threshold, steps_left, settings.mask_id, settings.temperature,
-            generator, settings.commit_order, settings.defer_repeats, slots,
+            generator, settings.commit_order, settings.defer_repeats, slots, strict,
         )
         return commit.tolist(), tokens.tolist(), token_logp.tolist()
     tokens = [[0] * n for _ in live]
     token_logp = [[0.0] * n for _ in live]
-    runs = LeftToRightRuns(live, slots.tolist(), steps_left, settings.defer_repeats)
+    runs = LeftToRightRuns(live, slots.tolist(), steps_left, settings.defer_repeats,
+                           strict_rows if strict_on else None, settings.strict_after)
     # the rows whose proposals are computed; a row done with the block (waiting for the batch's
     # slowest row) has nothing to read
     reading, end = runs.rows_to_read(0), 0
@@ -355,9 +388,14 @@ def step_commits(
         index = None if len(reading) == len(live) else torch.tensor(reading, device=slots.device)
         proposed, logp = propose_tokens(logits.columns(start, end, index), settings.mask_id)
         # confidence exactly as choose_commits computes it (float32 exp against tau)
-        confident = (logp.exp() >= settings.threshold).tolist() if settings.threshold < 1.0 else None
+        confidence = logp.exp()
+        confident = confident_at(confidence, settings.threshold).tolist() if settings.threshold < 1.0 else None
+        confident_strict = None
+        if strict_on and settings.strict_threshold < 1.0:
+            confident_strict = confident_at(confidence, settings.strict_threshold).tolist()
         for i, (row, row_tokens, row_logp) in enumerate(zip(reading, proposed.tolist(), logp.tolist())):
             tokens[row][start:end], token_logp[row][start:end] = row_tokens, row_logp
-            runs.decide(row, start, row_tokens, None if confident is None else confident[i])
+            runs.decide(row, start, row_tokens, None if confident is None else confident[i],
+                        None if confident_strict is None else confident_strict[i])
         reading = runs.rows_to_read(end) if end < n else []
     return runs.commit, tokens, token_logp

@@ -38,6 +38,16 @@ def stop_token_ids(tokenizer) -> list[int]:
     return [tokenizer.convert_tokens_to_ids(fmt.ANSWER_CLOSE), tokenizer.eos_token_id]
 
 
+def strict_section_ids(tokenizer, marker: str) -> list[int]:
+    """The token ids that open the ranking sections (``diffusion.ranking_marker``); refused
+    unless ``marker`` is one token of the vocabulary, since a marker the tokenizer splits or maps
+    to ``<unk>`` would silently never open the section."""
+    ids = tokenizer.convert_tokens_to_ids([marker])
+    if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id:
+        raise ValueError(f"diffusion.ranking_marker {marker!r} is not a token of the tokenizer's vocabulary")
+    return [int(ids[0])]
+
+
 def evaluate_decoder(
     decode: DecodeFn, tokenizer, catalog: ItemCatalog, examples: Sequence[dict[str, Any]]
 ) -> ModelEval:

@@ -212,6 +212,7 @@ class Reranker:
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
         self.block_size: int | None  # the decode block (None for AR): trained block unless set smaller
         self.block_size, self.defaults, self.commit_order, self.defer_repeats, self.head_chunk = self._defaults()
+        self.ranking_threshold, self.ranking_ids = self._ranking_sections()
         self._lock = threading.Lock()
 
     @classmethod
@@ -254,6 +255,23 @@ class Reranker:
         threshold = max(float(merged["threshold"]), self.settings.min_threshold)
         return block, DecodeParams(threshold, steps, merged["max_new_tokens"]), order, defer, chunk
 
+    def _ranking_sections(self) -> tuple[float | None, list[int]]:
+        """The ranking sections' bar and marker ids (dgr2.decoding.commit, strict sections):
+        built-in fallback < bundle < deployment settings; (None, []) when off or for AR.  A marker
+        the tokenizer does not know is refused at start-up, not silently ignored."""
+        from dgr2.eval.model_eval import strict_section_ids
+
+        merged = dict(FALLBACK_DECODING)
+        for source in (self.bundle.meta.decoding, self.settings.decoding):
+            merged.update({k: v for k, v in source.model_dump().items() if v is not None})
+        if self.kind != "diffusion" or merged["ranking_threshold"] is None:
+            return None, []
+        try:
+            ids = strict_section_ids(self.tokenizer, str(merged["ranking_marker"]))
+        except ValueError as exc:
+            raise BundleError(f"bundle {self.bundle.source}: {exc}") from exc
+        return float(merged["ranking_threshold"]), ids
+
     def info(self) -> dict[str, Any]:
         """What ``GET /v1/model`` shows."""
         meta = self.bundle.meta
@@ -276,6 +294,7 @@ class Reranker:
                 "commit_order": self.commit_order if self.kind == "diffusion" else None,
                 "defer_repeats": self.defer_repeats if self.kind == "diffusion" else None,
                 "head_chunk": self.head_chunk if self.kind == "diffusion" else None,
+                "ranking_threshold": self.ranking_threshold,
             },
             "limits": {
                 "max_candidates": s.max_candidates,
@@ -436,6 +455,9 @@ class Reranker:
                     threshold=params.threshold, max_new_tokens=params.max_new_tokens, mask_id=self.mask_id,
                     eos_id=self.eos_id, pad_id=self.pad_id, stop_ids=self.stop_ids, batch_size=len(prompts),
                     commit_order=self.commit_order, defer_repeats=self.defer_repeats, head_chunk=self.head_chunk,
+                    strict_threshold=(None if self.ranking_threshold is None
+                                      else max(self.ranking_threshold, params.threshold)),
+                    strict_after=self.ranking_ids,
                 )
             else:
                 out = ar_generate(

@@ -63,11 +63,17 @@ class DecodingDefaults(BaseModel):
     # greedy left-to-right steps run the LM head on this many slots at a time (0 = all at once);
     # same output at any value, only the work differs (config.DiffusionConfig.head_chunk)
     head_chunk: int | None = Field(None, ge=0, le=64)
+    # dgr2.decoding.commit, strict sections: from the `ranking_marker` token on (the trace's order
+    # and answer sections) a slot commits in parallel only at this confidence (never below the
+    # request's threshold); None = one threshold everywhere (config.DiffusionConfig.ranking_threshold)
+    ranking_threshold: float | None = Field(None, gt=0.0, le=1.0)
+    ranking_marker: str | None = Field(None, min_length=1)
 
 
 # Used when neither the settings nor the bundle say anything (paper-style threshold rule).
 FALLBACK_DECODING = {"threshold": 0.9, "max_steps_per_block": 8, "max_new_tokens": 224, "commit_order": "confidence",
-                     "defer_repeats": False, "block_size": None, "head_chunk": 8}
+                     "defer_repeats": False, "block_size": None, "head_chunk": 8, "ranking_threshold": None,
+                     "ranking_marker": "order"}
 
 
 class ServeSettings(BaseModel):
