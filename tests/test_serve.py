@@ -212,6 +212,7 @@ def test_a_deployment_sets_the_ranking_sections_threshold(bundle_dir, items: lis
     second = strict.rerank(request)
     assert sorted(second.ranking) == sorted(items[5:12])
     assert second.forward_passes > first.forward_passes
+    assert deployment(ranking_threshold=0.0, ranking_marker=marker).info()["decoding"]["ranking_threshold"] is None
     with pytest.raises(BundleError, match="not a token"):
         deployment(ranking_threshold=0.99, ranking_marker="no-such-token")
 

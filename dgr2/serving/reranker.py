@@ -257,14 +257,14 @@ class Reranker:
 
     def _ranking_sections(self) -> tuple[float | None, list[int]]:
         """The ranking sections' bar and marker ids (dgr2.decoding.commit, strict sections):
-        built-in fallback < bundle < deployment settings; (None, []) when off or for AR.  A marker
+        built-in fallback < bundle < deployment settings; (None, []) when off (unset or 0) or for AR.  A marker
         the tokenizer does not know is refused at start-up, not silently ignored."""
         from dgr2.eval.model_eval import strict_section_ids
 
         merged = dict(FALLBACK_DECODING)
         for source in (self.bundle.meta.decoding, self.settings.decoding):
             merged.update({k: v for k, v in source.model_dump().items() if v is not None})
-        if self.kind != "diffusion" or merged["ranking_threshold"] is None:
+        if self.kind != "diffusion" or not merged["ranking_threshold"]:
             return None, []
         try:
             ids = strict_section_ids(self.tokenizer, str(merged["ranking_marker"]))

@@ -65,8 +65,9 @@ class DecodingDefaults(BaseModel):
     head_chunk: int | None = Field(None, ge=0, le=64)
     # dgr2.decoding.commit, strict sections: from the `ranking_marker` token on (the trace's order
     # and answer sections) a slot commits in parallel only at this confidence (never below the
-    # request's threshold); None = one threshold everywhere (config.DiffusionConfig.ranking_threshold)
-    ranking_threshold: float | None = Field(None, gt=0.0, le=1.0)
+    # request's threshold); 0 = off, one threshold everywhere, also where the bundle sets one
+    # (config.DiffusionConfig.ranking_threshold)
+    ranking_threshold: float | None = Field(None, ge=0.0, le=1.0)
     ranking_marker: str | None = Field(None, min_length=1)
 
 
