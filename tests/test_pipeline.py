@@ -163,37 +163,33 @@ def test_a_field_added_later_leaves_old_keys_alone_at_its_neutral_value(stage, s
     assert _key(stage, on, (section,), inputs) != before
 
 
-def test_a_field_one_stage_reads_stays_out_of_the_other_stages_keys():
-    """The decode-block sweep is the report's: CFT/OPD/RL evaluations (and their training) must
-    not re-run when it changes."""
+@pytest.mark.parametrize("section, field, plain, changed", [
+    ("eval", "decode_block_sweep", "[]", "[8]"),
+    ("diffusion", "ranking_threshold", "null", "0.97"),
+])
+def test_a_field_one_stage_reads_stays_out_of_the_other_stages_keys(section, field, plain, changed):
+    """The decode-block sweep and the ranking sections' bar are the report's (decode-time rules
+    of its rows and the served bundle): the evaluations, CFT/OPD/RL and their training must not
+    re-run when either changes."""
     from dgr2.pipeline import SINGLE_STAGE_FIELDS, _key
     from dgr2.stage_store import StageOutput
 
-    assert SINGLE_STAGE_FIELDS[("eval", "decode_block_sweep")] == "report"
+    assert SINGLE_STAGE_FIELDS[(section, field)] == "report"
     inputs = [StageOutput("sft", "k0", None, {}, cached=True)]
-    plain = load_config("tiny", ["eval.decode_block_sweep=[]"])
-    swept = load_config("tiny", ["eval.decode_block_sweep=[8]"])
-    for stage in ("eval", "naive", "cft", "opd", "rl"):
-        assert _key(stage, plain, ("eval", "diffusion"), inputs) == _key(stage, swept, ("eval", "diffusion"), inputs)
-    assert _key("report", plain, ("eval", "diffusion"), inputs) != _key("report", swept, ("eval", "diffusion"), inputs)
+    off = load_config("tiny", [f"{section}.{field}={plain}"])
+    on = load_config("tiny", [f"{section}.{field}={changed}"])
+    for stage in ("eval", "naive", "mdm", "cft", "opd", "rl"):
+        assert _key(stage, off, ("eval", "diffusion"), inputs) == _key(stage, on, ("eval", "diffusion"), inputs)
+    assert _key("report", off, ("eval", "diffusion"), inputs) != _key("report", on, ("eval", "diffusion"), inputs)
 
 
-def test_the_ranking_threshold_is_a_decode_time_rule_of_the_report_and_the_served_model():
-    """``diffusion.ranking_threshold`` changes the report's key alone (no training stage re-runs
-    for a decoding rule); below tau it is inert (applied as the larger of the two), not refused, so
-    a tau sweep above it still loads; a marker the tokenizer lacks is refused."""
+def test_the_ranking_threshold_is_inert_below_tau_and_its_marker_must_be_a_token():
+    """Below tau ``diffusion.ranking_threshold`` is inert (applied as the larger of the two), not
+    refused, so a tau sweep above it still loads; a marker the tokenizer lacks is refused."""
     from types import SimpleNamespace
 
     from dgr2.eval.model_eval import strict_section_ids
-    from dgr2.pipeline import _key
-    from dgr2.stage_store import StageOutput
 
-    inputs = [StageOutput("sft", "k0", None, {}, cached=True)]
-    plain = load_config("tiny", ["diffusion.ranking_threshold=null"])
-    strict = load_config("tiny", ["diffusion.ranking_threshold=0.97"])
-    for stage in ("naive", "mdm", "cft", "opd", "rl"):
-        assert _key(stage, plain, ("eval", "diffusion"), inputs) == _key(stage, strict, ("eval", "diffusion"), inputs)
-    assert _key("report", plain, ("eval", "diffusion"), inputs) != _key("report", strict, ("eval", "diffusion"), inputs)
     cfg = load_config("tiny", ["diffusion.confidence_threshold=1.0", "diffusion.ranking_threshold=0.8"])
     assert cfg.diffusion.ranking_threshold == 0.8
     vocab = {"order": 7, "<unk>": 1}

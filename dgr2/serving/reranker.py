@@ -236,12 +236,17 @@ class Reranker:
         if missing:
             raise BundleError(f"bundle {self.bundle.source}: {len(missing)} catalog SID tokens are not in the tokenizer, e.g. {missing[:5]}")
 
-    def _defaults(self) -> tuple[int | None, DecodeParams, str, bool, int]:
-        """The decode block, decoding defaults, the commit order, repeat deferral and head chunk:
-        built-in fallback < bundle < deployment settings."""
+    def _merged_decoding(self) -> dict[str, Any]:
+        """Every decoding knob: built-in fallback < bundle < deployment settings (None = not set)."""
         merged = dict(FALLBACK_DECODING)
         for source in (self.bundle.meta.decoding, self.settings.decoding):
             merged.update({k: v for k, v in source.model_dump().items() if v is not None})
+        return merged
+
+    def _defaults(self) -> tuple[int | None, DecodeParams, str, bool, int]:
+        """The decode block, decoding defaults, the commit order, repeat deferral and head chunk
+        (:meth:`_merged_decoding`)."""
+        merged = self._merged_decoding()
         merged["max_new_tokens"] = min(int(merged["max_new_tokens"]), self.settings.max_new_tokens_cap)
         order = str(merged["commit_order"])
         defer = bool(merged["defer_repeats"])
@@ -256,14 +261,12 @@ class Reranker:
         return block, DecodeParams(threshold, steps, merged["max_new_tokens"]), order, defer, chunk
 
     def _ranking_sections(self) -> tuple[float | None, list[int]]:
-        """The ranking sections' bar and marker ids (dgr2.decoding.commit, strict sections):
-        built-in fallback < bundle < deployment settings; (None, []) when off (unset or 0) or for AR.  A marker
-        the tokenizer does not know is refused at start-up, not silently ignored."""
+        """The ranking sections' bar and marker ids (dgr2.decoding.commit, strict sections) from
+        :meth:`_merged_decoding`; (None, []) when off (unset or 0) or for AR.  A marker the
+        tokenizer does not know is refused at start-up, not silently ignored."""
         from dgr2.eval.model_eval import strict_section_ids
 
-        merged = dict(FALLBACK_DECODING)
-        for source in (self.bundle.meta.decoding, self.settings.decoding):
-            merged.update({k: v for k, v in source.model_dump().items() if v is not None})
+        merged = self._merged_decoding()
         if self.kind != "diffusion" or not merged["ranking_threshold"]:
             return None, []
         try:
