@@ -191,6 +191,13 @@ class CftConfig(TrainConfig):
     lr: float = Field(1e-3, gt=0)
     # optimizer steps of the "generic masked-denoising" baseline (same loss on prompt text only)
     generic_steps: int = Field(60, ge=1)
+    # extra weight on the masked tokens from the first ``focus_token`` on (the trace's ``order``
+    # section and the answer: the permutation one wrong label makes invalid) in the CFT loss,
+    # normalised by the summed weights so the loss keeps its scale.  Why: the invalid rankings
+    # left after CFT are broken ``order`` sections, ~44 of 200 completion tokens, which an
+    # unweighted loss gives a fifth of its gradient (dgr2.train.focus).  1 = off (the paper's loss)
+    focus_token: str = Field("order", min_length=1)
+    focus_weight: float = Field(1.0, ge=1.0, le=100.0)
 
 
 class RolloutConfig(_Strict):

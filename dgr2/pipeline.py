@@ -60,6 +60,7 @@ KEY_NEUTRAL_FIELDS: dict[tuple[str, str], Any] = {
     ("diffusion", "defer_repeats"): False, ("diffusion", "head_chunk"): 8, ("eval", "decode_block_sweep"): [],
     ("diffusion", "ranking_threshold"): None, ("diffusion", "ranking_marker"): "order",
     ("opd", "focus_weight"): 1.0, ("opd", "focus_token"): "<answer>", ("opd", "clean_weight"): 0.0,
+    ("cft", "focus_weight"): 1.0, ("cft", "focus_token"): "order",
 }
 # a field only one stage reads stays out of every other stage's key, so changing it re-runs that
 # stage alone (the decode-block sweep is the report's; CFT/OPD/RL evaluate at the trained block)
@@ -498,9 +499,16 @@ def _cft_loss_stage(
 ) -> dict[str, Any]:
     """Train the SFT model with the block-diffusion ("cft") loss on ``data_path``, then evaluate it
     as a diffusion model: the body shared by the generic-MDM baseline and CFT."""
+    from dgr2.tokenizer.hf import load_tokenizer
+    from dgr2.train.focus import focus_token_id
+
     tokenizer_dir = sft.file("tokenizer")
+    extra = _diffusion_extra(cfg, tokenizer_dir)
+    if train_cfg.focus_weight != 1.0:
+        extra.update(focus_token_id=focus_token_id(load_tokenizer(tokenizer_dir), train_cfg.focus_token, "cft.focus_token"),
+                     focus_weight=train_cfg.focus_weight)
     stats = _train_stage(stage, cfg, train_cfg, work, loss="cft", data_path=data_path, init=sft,
-                         tokenizer_dir=tokenizer_dir, extra=_diffusion_extra(cfg, tokenizer_dir), loop="offline",
+                         tokenizer_dir=tokenizer_dir, extra=extra, loop="offline",
                          mlflow_uri=mlflow_uri, mlflow_run_id=mlflow_run_id)
     evals = evaluate_model(cfg, data, vocab, work / "model", work / "tokenizer", "diffusion", stage, work)
     return {"outputs": {"model": "model", "tokenizer": "tokenizer", "history": "history.json", **_eval_outputs(evals, stage)},

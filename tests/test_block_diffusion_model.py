@@ -121,6 +121,66 @@ def test_loss_is_on_masked_supervised_tokens_only():
     assert model.ar.get_input_embeddings().weight.grad is not None
 
 
+@pytest.mark.parametrize("weighting", ["inverse_t", "none"])
+def test_token_weights_weigh_the_loss_and_all_ones_change_nothing(weighting):
+    """``token_weights`` (the CFT ranking-section weight): all ones give the unweighted loss
+    exactly; other weights give the weighted mean written out by hand, with sums of weights as
+    the denominators; bad weights are refused."""
+    model = BlockDiffusionLM(tiny_ar(), mask_id=MASK, block_size=4, loss_weighting=weighting)
+    prompts, completions = [[BOS, 5, 6], [BOS, 7]], [[10, 11, 12, 13, 14, 15], [16, 17, 18]]
+    batch = DiffusionBatch.collate(prompts, completions, PAD)
+    masked, ratio = sample_block_masks(batch.loss_mask, 4, "uniform", 1e-3, torch.Generator().manual_seed(3))
+    plain = model.loss_from_masks(batch, masked, ratio).loss.detach()
+    ones = torch.ones(masked.shape)
+    assert torch.equal(model.loss_from_masks(batch, masked, ratio, ones).loss.detach(), plain)
+    weights = torch.ones(masked.shape)
+    weights[:, 3:] = 4.0  # a "ranking section" from slot 3 on
+    out = model.loss_from_masks(batch, masked, ratio, weights).loss.detach()
+    noisy = torch.where(masked, MASK, batch.completion_ids)
+    with torch.no_grad():
+        ce = F.cross_entropy(model.shifted_logits(batch, noisy).transpose(1, 2), batch.completion_ids, reduction="none")
+    sup = batch.loss_mask
+    if weighting == "inverse_t":
+        expected = (weights * ce * masked / ratio).sum() / weights[sup].sum()
+    else:
+        expected = (weights * ce * masked).sum() / weights[masked].sum()
+    torch.testing.assert_close(out, expected)
+    assert not torch.allclose(out, plain)
+    with pytest.raises(ValueError, match="shape"):
+        model.loss_from_masks(batch, masked, ratio, torch.ones((2, 3)))
+    with pytest.raises(ValueError, match="positive"):
+        model.loss_from_masks(batch, masked, ratio, torch.zeros(masked.shape))
+
+
+def test_the_cft_loss_weighs_the_tokens_from_the_focus_token_on():
+    """``cft.focus_weight``: the registered CFT loss weighs every token from the first focus
+    token of its row on (the ``order`` section and answer), with the same masks as unweighted."""
+    from dgr2.train.focus import focus_weights
+    from dgr2.train.losses import get_loss
+
+    ar = tiny_ar()
+    focus = 13
+    ids = torch.tensor([[BOS, 5, 6, 10, 11, 12, 13, 14, 15, EOS], [BOS, 7, 16, 13, 17, 18, EOS, PAD, PAD, PAD]])
+    rows = {"input_ids": ids, "attention_mask": (ids != PAD).long(), "prompt_len": torch.tensor([3, 2])}
+    extra = {"mask_id": MASK, "pad_id": PAD, "diffusion": DiffusionConfig(block_size=4, max_steps_per_block=2).model_dump()}
+    cft = get_loss("cft")
+
+    def run(**more):
+        torch.manual_seed(11)  # the loss draws its masks from the global generator
+        return cft(ar, rows, {**extra, **more})[0].detach()
+
+    plain, weighted = run(), run(focus_token_id=focus, focus_weight=4.0)
+    assert torch.equal(run(focus_token_id=focus, focus_weight=1.0), plain)
+    from dgr2.train.losses import diffusion_batch_from_rows
+
+    batch = diffusion_batch_from_rows(rows, PAD)
+    model = BlockDiffusionLM(ar, mask_id=MASK, block_size=4)
+    torch.manual_seed(11)
+    expected = model.diffusion_loss(batch, token_weights=focus_weights(batch.completion_ids, focus, 4.0)).loss.detach()
+    torch.testing.assert_close(weighted, expected)
+    assert not torch.allclose(weighted, plain)
+
+
 def test_head_at_masked_slots_only_gives_the_full_logits_loss_and_gradients():
     """The loss runs the LM head at the masked slots only; loss and every parameter's gradient
     equal the formulation over the full (batch, Lc, vocab) logits."""

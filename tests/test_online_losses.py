@@ -14,11 +14,10 @@ from dgr2.eval.reward import RewardConfig, completion_reward, ranking_reward, re
 from dgr2.models.ar import build_ar_model
 from dgr2.models.block_diffusion import BlockDiffusionLM
 from dgr2.train.divergence import teacher_log_probs, token_divergence
+from dgr2.train.focus import focus_token_id, focus_weights
 from dgr2.train.online_losses import (
     OpdSettings,
     RlSettings,
-    focus_token_id,
-    focus_weights,
     group_advantages,
     opd_loss,
     rl_policy_loss,

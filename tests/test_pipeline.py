@@ -136,6 +136,8 @@ def test_cft_and_mdm_keys_each_follow_only_their_own_step_count():
     ("report", "eval", "decode_block_sweep", "[]", "[8]"),
     ("report", "diffusion", "head_chunk", "8", "0"),
     ("report", "diffusion", "ranking_threshold", "null", "0.97"),
+    ("cft", "cft", "focus_weight", "1.0", "4.0"),
+    ("cft", "cft", "focus_token", "order", "<answer>"),
 ])
 def test_a_field_added_later_leaves_old_keys_alone_at_its_neutral_value(stage, section, field, neutral, other):
     """At its neutral value a field added later (``diffusion.defer_repeats=false``: the decoding

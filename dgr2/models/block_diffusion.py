@@ -266,26 +266,38 @@ class BlockDiffusionLM(nn.Module):
         """The training objective (so a DeepSpeed engine can call the module directly)."""
         return self.diffusion_loss(batch, generator=generator)
 
-    def diffusion_loss(self, batch: DiffusionBatch, generator: torch.Generator | None = None) -> DiffusionLossOutput:
+    def diffusion_loss(
+        self, batch: DiffusionBatch, generator: torch.Generator | None = None, token_weights: torch.Tensor | None = None,
+    ) -> DiffusionLossOutput:
         """Mask each completion block independently (ratio from the schedule), predict it.
 
         Loss is cross-entropy on masked supervised tokens only.  ``inverse_t`` weights each
         masked token by ``1 / t`` (its block's realised mask ratio) and divides by the number
         of supervised tokens: the masked-diffusion ELBO, an unbiased estimate of the any-order
         per-token NLL.  ``none`` is the mean CE over masked tokens (lower variance, biased
-        towards heavily masked blocks).
+        towards heavily masked blocks).  ``token_weights`` (``(batch, Lc)``, positive) weighs
+        tokens unequally, e.g. the ranking sections (:mod:`dgr2.train.focus`); the counts in both
+        denominators become sums of weights, so all-ones weights give the unweighted loss.
         """
         masked, ratio = sample_block_masks(
             batch.loss_mask.bool(), self.block_size, self.mask_schedule, self.mask_eps, generator,
             suffix_prob=self.suffix_mask_prob,
         )
-        return self.loss_from_masks(batch, masked, ratio)
+        return self.loss_from_masks(batch, masked, ratio, token_weights)
 
-    def loss_from_masks(self, batch: DiffusionBatch, masked: torch.Tensor, ratio: torch.Tensor) -> DiffusionLossOutput:
+    def loss_from_masks(
+        self, batch: DiffusionBatch, masked: torch.Tensor, ratio: torch.Tensor, token_weights: torch.Tensor | None = None,
+    ) -> DiffusionLossOutput:
         """The objective for a given choice of masked tokens (what ``diffusion_loss`` samples)."""
         supervised = batch.loss_mask.bool()
         if bool((masked & ~supervised).any()):
             raise ValueError("masked tokens must be supervised completion tokens")
+        if token_weights is not None:
+            if token_weights.shape != masked.shape:
+                raise ValueError(f"token_weights must have the completion's shape {tuple(masked.shape)}, "
+                                 f"got {tuple(token_weights.shape)}")
+            if bool((token_weights[supervised] <= 0).any()):
+                raise ValueError("token_weights must be positive on supervised tokens")
         n_supervised, n_masked = int(supervised.sum()), int(masked.sum())
         if n_masked == 0:
             raise ValueError("batch has no supervised completion token to mask (empty loss)")
@@ -295,10 +307,15 @@ class BlockDiffusionLM(nn.Module):
         # its backward were about a third of a CFT step on the CPU
         logits = self.shifted_logits(batch, noisy_ids, positions=masked)
         ce = F.cross_entropy(logits.float(), batch.completion_ids[masked], reduction="none")
-        if self.loss_weighting == "inverse_t":
-            loss = (ce / ratio[masked]).sum() / n_supervised
+        if token_weights is None:
+            per_token, supervised_weight, masked_weight = ce, float(n_supervised), float(n_masked)
         else:
-            loss = ce.sum() / n_masked
+            w = token_weights.to(ce.dtype)
+            per_token, supervised_weight, masked_weight = ce * w[masked], w[supervised].sum(), w[masked].sum()
+        if self.loss_weighting == "inverse_t":
+            loss = (per_token / ratio[masked]).sum() / supervised_weight
+        else:
+            loss = per_token.sum() / masked_weight
         return DiffusionLossOutput(loss=loss, masked_tokens=n_masked, supervised_tokens=n_supervised)
 
     # ------------------------------------------------------------------ checkpoints

@@ -67,8 +67,9 @@ def diffusion_batch_from_rows(batch: dict[str, torch.Tensor], pad_id: int):
 def cft_loss(model, batch: dict[str, torch.Tensor], extra: dict[str, Any]):
     """Block-diffusion masked-denoising loss on the completion (conversion fine-tuning).
 
-    ``extra`` carries ``mask_id``, ``pad_id`` and the ``diffusion`` config section; the model
-    is the AR checkpoint seen through :class:`BlockDiffusionLM` (no new parameters).
+    ``extra`` carries ``mask_id``, ``pad_id`` and the ``diffusion`` config section, and with
+    ``cft.focus_weight`` != 1 ``focus_token_id``/``focus_weight`` (the ranking sections' weight);
+    the model is the AR checkpoint seen through :class:`BlockDiffusionLM` (no new parameters).
     """
     from dgr2.models.block_diffusion import BlockDiffusionLM
 
@@ -80,6 +81,12 @@ def cft_loss(model, batch: dict[str, torch.Tensor], extra: dict[str, Any]):
         suffix_mask_prob=float(d.get("suffix_mask_prob", 0.0)),
     )
     dbatch = diffusion_batch_from_rows(batch, int(extra["pad_id"]))
-    out = wrapper.diffusion_loss(dbatch)
+    focus_id, focus_weight = extra.get("focus_token_id"), float(extra.get("focus_weight", 1.0))
+    weights = None
+    if focus_id is not None and focus_weight != 1.0:
+        from dgr2.train.focus import focus_weights
+
+        weights = focus_weights(dbatch.completion_ids, int(focus_id), focus_weight)
+    out = wrapper.diffusion_loss(dbatch, token_weights=weights)
     stats = {"tokens": float(batch["attention_mask"].sum()), "target_tokens": float(out.masked_tokens)}
     return out.loss, stats

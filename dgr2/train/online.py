@@ -83,7 +83,8 @@ def online_loop_per_worker(config: dict[str, Any]) -> None:
     from dgr2.rollout import PolicySpec, RolloutPool, WeightSyncTimeout
     from dgr2.train.deepspeed_config import deepspeed_config
     from dgr2.train.harness import StageJob, _build_model, _MlflowSink, _save_checkpoint, resume_from_ray_checkpoint, worker_setup
-    from dgr2.train.online_losses import OpdSettings, RlSettings, focus_token_id, opd_loss, rl_policy_loss
+    from dgr2.train.focus import focus_token_id
+    from dgr2.train.online_losses import OpdSettings, RlSettings, opd_loss, rl_policy_loss
     from dgr2.train.replay import ReplayBatch
 
     job = StageJob(**config)

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from dgr2.models.block_diffusion import BlockDiffusionLM, DiffusionBatch
 from dgr2.models.mask_schedule import sample_block_masks
 from dgr2.train.divergence import Divergence, teacher_log_probs, token_divergence
+from dgr2.train.focus import focus_weights
 from dgr2.train.replay import ReplayBatch
 
 NO_MASK = -1e9  # logit given to [MASK]: decoders never emit it, so neither policy nor teacher may
@@ -52,25 +53,6 @@ class OpdSettings:
     focus_token_id: int | None = None  # tokens from its first occurrence on weigh focus_weight
     focus_weight: float = 1.0
     clean_weight: float = 0.0  # weight of the clean-context (AR view) divergence term
-
-
-def focus_token_id(tokenizer, word: str) -> int:
-    """The id of ``word`` as one token of ``tokenizer``; a clear error when it is not one."""
-    ids = tokenizer.convert_tokens_to_ids([word])
-    if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id:
-        raise ValueError(f"opd.focus_token {word!r} is not a single token of this tokenizer; "
-                         "name a word of the trace grammar (e.g. '<answer>' or 'order')")
-    return int(ids[0])
-
-
-def focus_weights(completion_ids: torch.Tensor, token_id: int | None, weight: float) -> torch.Tensor:
-    """``(batch, Lc)`` per-token weights: ``weight`` from the first ``token_id`` of each row on
-    (that token included), 1 before it and on rows without it."""
-    ones = torch.ones(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
-    if token_id is None or weight == 1.0:
-        return ones
-    after = (completion_ids == token_id).long().cumsum(1) > 0
-    return torch.where(after, torch.full_like(ones, weight), ones)
 
 
 def opd_loss(
