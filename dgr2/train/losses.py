@@ -81,12 +81,11 @@ def cft_loss(model, batch: dict[str, torch.Tensor], extra: dict[str, Any]):
         suffix_mask_prob=float(d.get("suffix_mask_prob", 0.0)),
     )
     dbatch = diffusion_batch_from_rows(batch, int(extra["pad_id"]))
-    focus_id, focus_weight = extra.get("focus_token_id"), float(extra.get("focus_weight", 1.0))
     weights = None
-    if focus_id is not None and focus_weight != 1.0:
+    if extra.get("focus_token_id") is not None:  # the pipeline sets it only at cft.focus_weight != 1
         from dgr2.train.focus import focus_weights
 
-        weights = focus_weights(dbatch.completion_ids, int(focus_id), focus_weight)
+        weights = focus_weights(dbatch.completion_ids, int(extra["focus_token_id"]), float(extra["focus_weight"]))
     out = wrapper.diffusion_loss(dbatch, token_weights=weights)
     stats = {"tokens": float(batch["attention_mask"].sum()), "target_tokens": float(out.masked_tokens)}
     return out.loss, stats
